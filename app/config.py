@@ -1,0 +1,209 @@
+"""The typed run config: one pydantic model, loaded from YAML plus `--set key=value` overrides.
+
+Validation happens once, in the driver, before Ray or any worker starts. Every error is turned into a
+single line that names the dotted key and says what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.errors import UserInputError
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    path: str = Field(".cache/embedded/model", description="Hugging Face hub id or local model directory")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
+    trust_remote_code: bool = False
+    dtype: DType = Field("bfloat16", description="dtype of the frozen base weights")
+    gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing")
+
+
+class LoraSection(_Section):
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class FsdpSection(_Section):
+    param_dtype: DType = Field("bfloat16", description="dtype parameters are all-gathered and computed in")
+    reduce_dtype: DType = Field("float32", description="dtype gradients are reduce-scattered in")
+    reshard_after_forward: bool = True
+    cpu_offload: bool = Field(False, description="keep sharded params, grads and optimizer state on the CPU")
+
+
+class DataSection(_Section):
+    train_path: str = Field(".cache/embedded/data/train.jsonl", description="file, directory, URI or hub id")
+    eval_path: str | None = Field(None, description="held-out data; None splits eval_fraction off the train set")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    max_eval_rows: int = Field(512, gt=0, description="cap on the eval rows scored at each evaluation")
+    format: Literal["auto", "chat", "instruction", "prompt_completion"] = "auto"
+    split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
+    max_seq_len: int = Field(512, gt=1)
+    shuffle_buffer_rows: int = Field(256, ge=0, description="local shuffle buffer per worker; 0 disables")
+
+
+class TrainSection(_Section):
+    max_steps: int = Field(100, gt=0, description="optimizer steps; every rank runs exactly this many")
+    global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers")
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass on one worker")
+    learning_rate: float = Field(2e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(10, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    seed: int = 0
+    log_every: int = Field(1, gt=0, description="steps between MLflow metric batches and progress lines")
+    eval_every: int = Field(50, gt=0, description="steps between evaluations (and one at the end)")
+    output_dir: str = Field("outputs", description="run directories (adapter, Ray storage) go under here")
+    run_name: str | None = Field(None, description="defaults to the config file's name and the start time")
+
+
+class ScalingSection(_Section):
+    num_workers: int = Field(2, gt=0)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+
+
+class MlflowSection(_Section):
+    tracking_uri: str | None = Field(None, description="None: a local sqlite store under train.output_dir")
+    experiment: str = "lora-finetune"
+
+
+class FinetuneConfig(_Section):
+    model: ModelSection = ModelSection()
+    lora: LoraSection = LoraSection()
+    fsdp: FsdpSection = FsdpSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    scaling: ScalingSection = ScalingSection()
+    mlflow: MlflowSection = MlflowSection()
+
+    @model_validator(mode="after")
+    def _batch_divides_over_workers(self) -> FinetuneConfig:
+        per_step = self.train.micro_batch_size * self.scaling.num_workers
+        if self.train.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size x scaling.num_workers = {per_step}; change one of them"
+            )
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir) / str(self.train.run_name)
+
+    def flat(self) -> dict[str, Any]:
+        """`{"lora.r": 16, ...}`: the shape MLflow params take."""
+        return {f"{section}.{key}": value for section, fields in self.model_dump().items()
+                for key, value in fields.items()}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in FinetuneConfig.model_fields or not key or "." in key:
+        raise UserInputError(f"--set {dotted}: unknown key{_suggest(dotted)}; keys look like section.key")
+    fields = FinetuneConfig.model_fields[section].annotation.model_fields
+    if key not in fields:
+        raise UserInputError(f"--set {dotted}: unknown key{_suggest(dotted)}")
+    tree.setdefault(section, {})
+    if not isinstance(tree[section], dict):
+        raise UserInputError(f"config section '{section}' must be a mapping")
+    tree[section][key] = value
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s, f in FinetuneConfig.model_fields.items() for k in f.annotation.model_fields]
+
+
+def _suggest(dotted: str) -> str:
+    close = difflib.get_close_matches(dotted, _all_keys(), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{where}'{_suggest(where)}"
+    if first["type"] == "value_error":  # our own cross-field checks carry their message
+        return f"{source}: {first['msg'].removeprefix('Value error, ')}"
+    got = first.get("input")
+    got = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{source}: {where}: {first['msg']}{got}"
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> FinetuneConfig:
+    """YAML file (optional) + `key=value` overrides -> validated config with absolute local paths."""
+    tree: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        source = str(path)
+        if not Path(path).is_file():
+            raise UserInputError(f"--config {path}: no such file; the shipped configs are in jobs/configs/")
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserInputError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise UserInputError(f"{path}: the top level must be a mapping of sections (model:, lora:, ...)")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise UserInputError(f"--set {item}: expected key=value, e.g. --set train.max_steps=50")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    try:
+        cfg = FinetuneConfig.model_validate(tree)
+    except ValidationError as e:
+        raise UserInputError(_one_line(e, source)) from None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return _resolved(cfg, default_run_name=f"{Path(path).stem if path else 'finetune'}-{stamp}")
+
+
+def _absolute_if_local(path: str | None) -> str | None:
+    """Relative local paths become absolute (driver and workers may run in other directories).
+
+    URIs (`s3://...`) and hub ids (`org/name` with no such local directory) are left as they are.
+    """
+    if path is None or "://" in path:
+        return path
+    p = Path(path).expanduser()
+    looks_local = (p.exists() or p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1
+                   or p.suffix in {".jsonl", ".json", ".parquet"})
+    return str(p.resolve()) if looks_local else path
+
+
+def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
+    out_dir = Path(cfg.train.output_dir).expanduser().resolve()
+    tracking_uri = cfg.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": _absolute_if_local(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"train_path": _absolute_if_local(cfg.data.train_path),
+                                            "eval_path": _absolute_if_local(cfg.data.eval_path)}),
+        "train": cfg.train.model_copy(update={"output_dir": str(out_dir),
+                                              "run_name": cfg.train.run_name or default_run_name}),
+        "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),
+    })
+
+
+def config_from_dict(tree: dict[str, Any]) -> FinetuneConfig:
+    """Rebuild a config that was already validated and resolved (what workers receive)."""
+    return FinetuneConfig.model_validate(tree)

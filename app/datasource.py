@@ -1,0 +1,125 @@
+"""Where training data comes from, and a check of it before any cluster time is spent.
+
+Kinds of source: JSONL files, Parquet files (a local path or any URI pyarrow reads: s3://, gs://, ...),
+a `datasets` dataset written with `save_to_disk`, or a Hugging Face hub dataset id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.errors import UserInputError
+from app.formatting import FORMAT_FIELDS, detect_format
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    kind: str  # "jsonl" | "parquet" | "hf_disk" | "hf_hub"
+    location: str  # a file, a directory, a URI or a hub id
+    files: tuple[str, ...] = ()  # the local files, for jsonl and parquet on local disk
+
+
+def resolve_source(location: str, key: str = "data.train_path") -> DataSource:
+    """What kind of source `location` is; UserInputError if it names nothing usable."""
+    if "://" in location:
+        kind = "parquet" if location.rstrip("/").endswith(PARQUET_SUFFIXES) else "jsonl"
+        if not location.rstrip("/").endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
+            raise UserInputError(f"{key}={location}: a URI must name .jsonl or .parquet files")
+        return DataSource(kind, location)
+    path = Path(location)
+    if path.is_file():
+        if path.suffix in JSONL_SUFFIXES:
+            return DataSource("jsonl", location, (location,))
+        if path.suffix in PARQUET_SUFFIXES:
+            return DataSource("parquet", location, (location,))
+        raise UserInputError(f"{key}={location}: unsupported file type '{path.suffix}'; use .jsonl or .parquet")
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            return DataSource("hf_disk", location)
+        for kind, suffixes in (("jsonl", JSONL_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
+            files = sorted(str(p) for p in path.rglob("*") if p.suffix in suffixes)
+            if files:
+                return DataSource(kind, location, tuple(files))
+        raise UserInputError(f"{key}={location}: the directory holds no .jsonl or .parquet files "
+                             "and is not a datasets save_to_disk directory")
+    if not path.is_absolute() and location.count("/") == 1 and not path.suffix:
+        return DataSource("hf_hub", location)
+    raise UserInputError(f"{key}={location}: no such file or directory; "
+                         "for the embedded demo data run `make embedded`")
+
+
+def check_source(source: DataSource, fmt: str, key: str = "data.train_path", split: str = "train") -> int:
+    """Validate every local record (JSONL) or the schema (Parquet, datasets); return the row count.
+
+    The first bad record stops the run, named by file and line, so nothing is silently dropped.
+    Remote sources are checked by their readers when the job starts.
+    """
+    if source.kind == "jsonl" and source.files:
+        rows = sum(_check_jsonl(f, fmt) for f in source.files)
+    elif source.kind == "parquet" and source.files:
+        rows = sum(_check_parquet(f, fmt) for f in source.files)
+    elif source.kind == "hf_disk":
+        rows = _check_columns_of_hf_disk(source.location, fmt, split)
+    else:
+        return -1  # remote: counted by Ray Data
+    if rows == 0:
+        raise UserInputError(f"{key}={source.location}: no records; the data is empty")
+    return rows
+
+
+def _check_jsonl(file: str, fmt: str) -> int:
+    rows = 0
+    with open(file, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserInputError(f"{file}:{line_no}: not valid JSON ({e.msg}); fix or remove the line") from None
+            try:
+                detect_format(record, fmt)
+            except ValueError as e:
+                raise UserInputError(f"{file}:{line_no}: {e}; see data.format in the README") from None
+            rows += 1
+    return rows
+
+
+def _check_columns(columns: list[str], fmt: str, where: str) -> None:
+    formats = FORMAT_FIELDS if fmt == "auto" else {fmt: FORMAT_FIELDS[fmt]}
+    if not any(set(fields) <= set(columns) for fields in formats.values()):
+        expected = " or ".join("+".join(f) for f in formats.values())
+        raise UserInputError(f"{where}: columns {columns} lack the fields {expected}; see data.format")
+
+
+def _check_parquet(file: str, fmt: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises several types for a corrupt file
+        raise UserInputError(f"{file}: not a readable Parquet file ({e})") from None
+    _check_columns(meta.schema_arrow.names, fmt, file)
+    return meta.metadata.num_rows
+
+
+def _check_columns_of_hf_disk(location: str, fmt: str, split: str) -> int:
+    ds = load_hf_disk(location, split)
+    _check_columns(ds.column_names, fmt, location)
+    return len(ds)
+
+
+def load_hf_disk(location: str, split: str):
+    """A `save_to_disk` Dataset, or one split of a DatasetDict (`split`, else 'train' or the first)."""
+    import datasets
+
+    ds = datasets.load_from_disk(location)
+    if isinstance(ds, datasets.DatasetDict):
+        name = split if split in ds else ("train" if "train" in ds else next(iter(ds)))
+        ds = ds[name]
+    return ds

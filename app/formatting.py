@@ -1,0 +1,127 @@
+"""Records -> token rows: format detection, chat-template rendering, tokenization and label masking.
+
+Plain functions on plain Python data, so that Ray Data's `map_batches` calls them on workers and
+tests and the adapter-reload check call them directly.
+
+Supported record formats (one per record; `data.format=auto` detects it):
+  chat               {"messages": [{"role": "user"|"system"|"assistant", "content": str}, ...]}
+  instruction        {"instruction": str, "input": str (optional), "output": str}
+  prompt_completion  {"prompt": str, "completion": str}
+Only assistant / output / completion tokens are trained on; everything else gets label -100.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+FORMAT_FIELDS = {"chat": ("messages",), "instruction": ("instruction", "output"),
+                 "prompt_completion": ("prompt", "completion")}
+PLAIN_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def detect_format(record: Any, wanted: str = "auto") -> str:
+    """The record's format, or ValueError saying which fields are missing."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    candidates = FORMAT_FIELDS if wanted == "auto" else {wanted: FORMAT_FIELDS[wanted]}
+    for name, fields in candidates.items():
+        if all(isinstance(record.get(f), (str, list)) for f in fields):
+            _check_fields(record, name)
+            return name
+    expected = " or ".join("+".join(f) for f in candidates.values())
+    raise ValueError(f"record needs fields {expected} (has: {', '.join(sorted(record)) or 'none'})")
+
+
+def _check_fields(record: dict, fmt: str) -> None:
+    if fmt != "chat":
+        for f in FORMAT_FIELDS[fmt] + (("input",) if fmt == "instruction" else ()):
+            if f in record and not isinstance(record[f], str):
+                raise ValueError(f"field '{f}' must be a string")
+        return
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}] needs string fields 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("'messages' has no assistant turn to learn from")
+
+
+def as_messages(record: dict, fmt: str) -> list[dict]:
+    if fmt == "chat":
+        return record["messages"]
+    if fmt == "instruction":
+        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+
+
+def prompt_and_target_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Split a conversation into (text, is_target) pieces whose concatenation is the rendered text.
+
+    With a chat template each assistant turn is a target; the text before it (rendered with
+    `add_generation_prompt=True`) is context. Without one, a plain instruction template is used.
+    """
+    if not tokenizer.chat_template:
+        *context, last = messages
+        prompt = "\n\n".join(m["content"] for m in context)
+        return [(PLAIN_PROMPT.format(instruction=prompt), False), (last["content"], True)]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    segments, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], add_generation_prompt=True) if i else ""
+        full = render(messages[: i + 1])
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ValueError("the tokenizer's chat template does not render conversations prefix by prefix; "
+                             "set data.format=instruction or give the tokenizer another chat_template")
+        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    return segments
+
+
+def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tuple[list[int], list[int]]:
+    """input_ids and labels (prompt tokens masked), truncated to max_seq_len, unpadded."""
+    segments = prompt_and_target_segments(tokenizer, as_messages(record, fmt))
+    ids: list[int] = []
+    labels: list[int] = []
+    if not tokenizer.chat_template and tokenizer.bos_token_id is not None:
+        ids, labels = [tokenizer.bos_token_id], [IGNORE_INDEX]
+    for text, is_target in segments:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if is_target else [IGNORE_INDEX] * len(piece)
+    if not tokenizer.chat_template and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return ids[:max_seq_len], labels[:max_seq_len]
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(path: str, revision: str | None, trust_remote_code: bool):
+    """One tokenizer per process: Ray Data reuses worker processes across `map_batches` tasks."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) -> dict[str, np.ndarray]:
+    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100.
+
+    Right padding needs no attention mask: under the causal mask a real token never attends to a
+    later pad, and pads carry no loss.
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = np.full((len(records), max_seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(records), max_seq_len), IGNORE_INDEX, dtype=np.int64)
+    for row, record in enumerate(records):
+        ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt), max_seq_len)
+        input_ids[row, : len(ids)] = ids
+        labels[row, : len(labs)] = labs
+    return {"input_ids": input_ids, "labels": labels}

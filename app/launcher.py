@@ -1,0 +1,153 @@
+"""The driver side of a run: check inputs, join or start Ray, build the datasets and the TorchTrainer.
+
+Order matters: everything a user can get wrong is checked before Ray starts, so a typo costs a
+second, not a cluster start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.train import DataConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from app import tracking
+from app.config import FinetuneConfig
+from app.data import build_datasets
+from app.datasource import DataSource, check_source, resolve_source
+from app.errors import UserInputError
+from app.model import check_model_source, load_tokenizer
+from app.worker import train_worker
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    train: DataSource
+    eval: DataSource | None
+    train_rows: int
+    eval_rows: int
+
+
+def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
+    """Every check that needs no cluster: model path, tokenizer, data files and records, output dir."""
+    check_model_source(cfg.model)
+    try:
+        load_tokenizer(cfg.model)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first}") from None
+    train = resolve_source(cfg.data.train_path, "data.train_path")
+    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
+    train_rows = check_source(train, cfg.data.format, "data.train_path", cfg.data.split)
+    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
+    adapter = adapter_dir(cfg)
+    if adapter.exists():
+        raise UserInputError(f"train.run_name={cfg.train.run_name}: {adapter} already exists and would be "
+                             "overwritten; choose another train.run_name or move that directory")
+    return CheckedInputs(train, eval_, train_rows, eval_rows)
+
+
+def adapter_dir(cfg: FinetuneConfig) -> Path:
+    return cfg.run_dir / "adapter"
+
+
+def in_ray_job() -> bool:
+    """True under `ray job submit` or with RAY_ADDRESS set: then we join that cluster."""
+    return bool(os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+
+
+def init_ray(cfg: FinetuneConfig) -> None:
+    """Join the running cluster, or start an embedded one sized to this machine.
+
+    The embedded cluster declares two logical CPUs more than the cores it runs on: the training
+    workers hold one each, and Ray Data's read and tokenize tasks need room beside them.
+    """
+    if ray.is_initialized():
+        return
+    if in_ray_job():
+        ray.init()
+    else:
+        ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False, log_to_driver=True)
+
+
+def check_placement(cfg: FinetuneConfig) -> None:
+    """The cluster must hold every worker at once (gang scheduling); say so before waiting forever."""
+    have = ray.cluster_resources()
+    need_cpu = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if need_cpu > have.get("CPU", 0):
+        raise UserInputError(
+            f"scaling.num_workers={cfg.scaling.num_workers} needs {need_cpu:g} CPUs "
+            f"({cfg.scaling.cpus_per_worker:g} per worker) but the cluster has {have.get('CPU', 0):g}; "
+            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+    if cfg.scaling.use_gpu and cfg.scaling.num_workers > have.get("GPU", 0):
+        raise UserInputError(
+            f"scaling.num_workers={cfg.scaling.num_workers} with scaling.use_gpu=true needs "
+            f"{cfg.scaling.num_workers} GPUs but the cluster has {have.get('GPU', 0):g}; "
+            "lower scaling.num_workers, or set scaling.use_gpu=false to train on CPUs")
+
+
+def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    return {
+        "base_model": cfg.model.path,
+        "base_model_revision": cfg.model.revision,
+        "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or tracking.git_commit(),
+        "ray.job_submission_id": job_config.get("metadata", {}).get("job_submission_id"),
+        "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
+        "data.train_path": cfg.data.train_path,
+    }
+
+
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str) -> TorchTrainer:
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
+    train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, cfg.model, cfg.data, cfg.train.seed)
+    resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"config": cfg.model_dump(), "mlflow_run_id": run_id,
+                           "adapter_dir": str(adapter_dir(cfg))},
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name=cfg.train.run_name, storage_path=cfg.train.output_dir),
+        datasets={"train": train_ds, "eval": eval_ds},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict:
+    """Check, launch, train, record; returns the one-line JSON summary as a dict."""
+    t0 = time.perf_counter()
+    inputs = check_inputs(cfg)
+    init_ray(cfg)
+    check_placement(cfg)
+    run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
+                                                    "data.eval_rows": inputs.eval_rows})
+    status = "FAILED"
+    try:
+        build_trainer(cfg, inputs, run_id).fit()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status)
+    metrics = tracking.final_metrics(cfg.mlflow.tracking_uri, run_id)
+    return {
+        "mlflow_run_id": run_id,
+        "tracking_uri": cfg.mlflow.tracking_uri,
+        "experiment": cfg.mlflow.experiment,
+        "run_name": cfg.train.run_name,
+        "adapter_path": str(adapter_dir(cfg)),
+        "steps": int(metrics["steps"]),
+        "initial_eval_loss": metrics["initial_eval_loss"],
+        "final_train_loss": metrics["final_train_loss"],
+        "final_eval_loss": metrics["final_eval_loss"],
+        "tokens_per_second": metrics["tokens_per_second_steady"],
+        "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+    }

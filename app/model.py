@@ -1,0 +1,84 @@
+"""Base model + tokenizer loading, the LoRA adapter, activation checkpointing.
+
+`from_pretrained` is the one loading path: a hub id, a local checkpoint of a real model and the
+embedded default all go through it. Weights load from safetensors only; remote code runs only
+when `model.trust_remote_code` is set.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from app.config import LoraSection, ModelSection
+from app.errors import UserInputError
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def check_model_source(model: ModelSection) -> None:
+    """Fail fast, in the driver, on a model path that cannot load."""
+    path = Path(model.path)
+    if path.is_absolute() or path.exists():
+        if not path.is_dir():
+            raise UserInputError(f"model.path={model.path}: no such directory; build the embedded model with "
+                                 "`make model`, or give a Hugging Face model directory or hub id")
+        if not (path / "config.json").is_file():
+            raise UserInputError(f"model.path={model.path}: no config.json there; "
+                                 "expected a directory written by save_pretrained")
+        if not any(path.glob("*.safetensors")):
+            raise UserInputError(f"model.path={model.path}: no *.safetensors weights; convert the "
+                                 "checkpoint to safetensors (pickled .bin weights are not loaded)")
+        auto_map = json.loads((path / "config.json").read_text()).get("auto_map")
+        if auto_map and not model.trust_remote_code:
+            raise UserInputError(f"model.path={model.path} needs custom code (auto_map in config.json); "
+                                 "review it, then set model.trust_remote_code=true")
+
+
+def load_tokenizer(model: ModelSection):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.path, revision=model.revision,
+                                              trust_remote_code=model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model.path, revision=model.revision, dtype=torch_dtype(model.dtype), use_safetensors=True,
+        trust_remote_code=model.trust_remote_code, device_map=None,
+    ).to(device)
+
+
+def apply_lora(base, lora: LoraSection, seed: int):
+    """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32.
+
+    The seed makes lora_A's initialisation identical on every rank and for every worker count.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant checkpointing: works with a frozen base without enable_input_require_grads."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu"):
+    model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed)
+    if model_cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model

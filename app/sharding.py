@@ -1,0 +1,66 @@
+"""FSDP2: the device mesh, which modules become FSDP units, mixed precision and offload."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from app.config import FsdpSection
+from app.model import torch_dtype
+
+
+def build_device_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the already initialised process group."""
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found without naming any architecture.
+
+    First choice: modules whose class the model lists in `_no_split_modules` (every Hugging Face
+    decoder declares its block there). Fallback: the children of the largest ModuleList whose
+    members share one class.
+    """
+    no_split: set[str] = set()
+    for module in model.modules():
+        no_split.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in no_split]
+    if layers:
+        return layers
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 1 and len(Counter(type(c) for c in m)) == 1]
+    if not lists:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return list(max(lists, key=len))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection) -> nn.Module:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, LM head).
+
+    Parameters keep their original dtypes (frozen base in bf16, LoRA in fp32: the optimizer updates
+    fp32 master weights) and are all-gathered and computed in `fsdp.param_dtype`; gradients are
+    reduced in `fsdp.reduce_dtype` (averaged over ranks: see app.loss for the matching scale).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype),
+                                  reduce_dtype=torch_dtype(fsdp.reduce_dtype))
+    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
+    if fsdp.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def full_grad_norm(norm: torch.Tensor) -> float:
+    """clip_grad_norm_ over DTensors returns a DTensor; this makes it a number."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

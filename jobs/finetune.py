@@ -1,0 +1,42 @@
+"""Fine-tune a causal LM with LoRA + FSDP2 on Ray Train.
+
+    python -m jobs.finetune --config jobs/configs/embedded.yaml [--set key=value ...]
+
+Locally this starts an embedded Ray cluster; under `ray job submit` (or with RAY_ADDRESS set) it
+joins that cluster. The last line printed is a JSON summary of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from app.config import load_config
+from app.errors import UserInputError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.finetune", description=__doc__.split("\n")[1])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/embedded.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set train.max_steps=50 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from app.launcher import run_finetune  # imports Ray: only after the config is known good
+
+        summary = run_finetune(cfg)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,7 +72,7 @@ def init_ray(cfg: FinetuneConfig) -> None:
     if in_ray_job():
         ray.init()
     else:
-        ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=(os.cpu_count() or 1) + 2)  # the dashboard binds to 127.0.0.1 only
 
 
 def check_placement(cfg: FinetuneConfig) -> None:

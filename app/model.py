@@ -26,7 +26,7 @@ def check_model_source(model: ModelSection) -> None:
     if path.is_absolute() or path.exists():
         if not path.is_dir():
             raise UserInputError(f"model.path={model.path}: no such directory; build the embedded model with "
-                                 "`make model`, or give a Hugging Face model directory or hub id")
+                                 "`make embedded`, or give a Hugging Face model directory or hub id")
         if not (path / "config.json").is_file():
             raise UserInputError(f"model.path={model.path}: no config.json there; "
                                  "expected a directory written by save_pretrained")

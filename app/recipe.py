@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -165,7 +166,10 @@ def _max_over_ranks(value: float, worker: Worker) -> float:
 
 
 class Progress:
-    """One line per logged step on rank 0: step/total, loss, lr, throughput, ETA."""
+    """One line per logged step on rank 0: step/total, loss, lr, throughput, ETA.
+
+    Written to the process's real stdout: Ray Train's patched print would tee it into the job log twice.
+    """
 
     def __init__(self, total_steps: int, enabled: bool):
         self.total, self.enabled, self.t0 = total_steps, enabled, time.perf_counter()
@@ -178,4 +182,4 @@ class Progress:
         extra = f" | eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
         print(f"step {step}/{self.total} | loss {m['train_loss']:.4f}{extra} | lr {m['learning_rate']:.2e} | "
               f"grad_norm {m['grad_norm']:.3f} | {m['tokens_per_second']:,.0f} tok/s | "
-              f"eta {int(eta // 60)}m{int(eta % 60):02d}s", flush=True)
+              f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)

@@ -1,12 +1,59 @@
-"""Exporting the trained adapter from a sharded model."""
+"""Checkpoints: the sharded training state (DCP) and the exported PEFT adapter.
+
+A training checkpoint holds only what the base model cannot give back: the LoRA weights and their
+AdamW state (each rank writes its own shard with torch.distributed.checkpoint), plus a small JSON of
+the step, LR-scheduler state and data position, and each rank's RNG state. The frozen base weights
+are never written. DCP reshards on load, so a run saved by N workers resumes on M.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
+TRAINER_STATE = "trainer_state.json"
+# strict=False: the frozen base is not in the checkpoint; dcp.load already fails on a missing LoRA key
+_TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps completed
+    epoch: int  # passes over the training data started
+    rows_into_epoch: int  # global rows of the current pass already trained on
+    scheduler: dict
+    initial_eval_loss: float  # of the untrained model, kept for the run's summary
+
+
+def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState) -> None:
+    """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    rank = dist.get_rank()
+    torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
+    if rank == 0:
+        (directory / TRAINER_STATE).write_text(json.dumps(asdict(state)))
+
+
+def load_training_state(directory: Path, model: nn.Module, optimizer) -> TrainerState:
+    """Restore into an already sharded model and its optimizer; resharding to this world size."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                   options=_TRAINABLE_ONLY)
+    rng = directory / f"rng-rank{dist.get_rank()}.pt"
+    if rng.exists():  # absent when resuming on more ranks than saved: the seed set at start stands
+        torch.set_rng_state(torch.load(rng))
+    return TrainerState(**json.loads((directory / TRAINER_STATE).read_text()))
 
 
 def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

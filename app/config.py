@@ -55,6 +55,7 @@ class DataSection(_Section):
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
     max_seq_len: int = Field(512, gt=1)
     shuffle_buffer_rows: int = Field(256, ge=0, description="local shuffle buffer per worker; 0 disables")
+    tokenizer_actors: int = Field(2, gt=0, description="most actors tokenizing in parallel (autoscaled from 1)")
 
 
 class TrainSection(_Section):
@@ -69,6 +70,9 @@ class TrainSection(_Section):
     seed: int = 0
     log_every: int = Field(1, gt=0, description="steps between MLflow metric batches and progress lines")
     eval_every: int = Field(50, gt=0, description="steps between evaluations (and one at the end)")
+    checkpoint_every: int = Field(50, gt=0, description="steps between sharded checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, gt=0, description="how many of the latest checkpoints to keep")
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")
     output_dir: str = Field("outputs", description="run directories (adapter, Ray storage) go under here")
     run_name: str | None = Field(None, description="defaults to the config file's name and the start time")
 

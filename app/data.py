@@ -10,7 +10,8 @@ import ray.data
 
 from app.config import DataSection, ModelSection
 from app.datasource import DataSource, load_hf_disk
-from app.formatting import cached_tokenizer, tokenize_rows
+from app.formatting import tokenize_rows
+from app.model import load_tokenizer
 
 
 def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:
@@ -25,13 +26,25 @@ def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:
     return ray.data.from_huggingface(datasets.load_dataset(source.location, split=data.split))
 
 
-def _tokenize_batch(batch, model: ModelSection, data: DataSection) -> dict:
-    tokenizer = cached_tokenizer(model.path, model.revision, model.trust_remote_code)
-    return tokenize_rows(batch.to_pylist(), tokenizer, data.format, data.max_seq_len)
+class TokenizeRows:
+    """The map_batches UDF, run by a pool of actors that each load the tokenizer once.
+
+    Actors rather than tasks: when a run fails and Ray cancels the pipeline, an actor's process goes
+    away with it, where a task's pooled process can be left with a half-finished `import torch` that
+    breaks every later task it runs (seen here after a worker was killed mid-run).
+    """
+
+    def __init__(self, model: ModelSection, data: DataSection):
+        self.tokenizer = load_tokenizer(model)
+        self.data = data
+
+    def __call__(self, batch) -> dict:
+        return tokenize_rows(batch.to_pylist(), self.tokenizer, self.data.format, self.data.max_seq_len)
 
 
 def tokenized(ds: ray.data.Dataset, model: ModelSection, data: DataSection) -> ray.data.Dataset:
-    return ds.map_batches(_tokenize_batch, fn_kwargs={"model": model, "data": data},
+    return ds.map_batches(TokenizeRows, fn_constructor_kwargs={"model": model, "data": data},
+                          compute=ray.data.ActorPoolStrategy(min_size=1, max_size=data.tokenizer_actors),
                           batch_format="pyarrow", batch_size=256)
 
 

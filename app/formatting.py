@@ -103,14 +103,6 @@ def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tupl
     return ids[:max_seq_len], labels[:max_seq_len]
 
 
-@functools.lru_cache(maxsize=4)
-def cached_tokenizer(path: str, revision: str | None, trust_remote_code: bool):
-    """One tokenizer per process: Ray Data reuses worker processes across `map_batches` tasks."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-
-
 def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) -> dict[str, np.ndarray]:
     """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.train import DataConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from app import tracking
@@ -22,7 +22,7 @@ from app.data import build_datasets
 from app.datasource import DataSource, check_source, resolve_source
 from app.errors import UserInputError
 from app.model import check_model_source, load_tokenizer
-from app.worker import train_worker
+from app.worker import FAULT_ENV, train_worker
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,26 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
     train_rows = check_source(train, cfg.data.format, "data.train_path", cfg.data.split)
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
-    adapter = adapter_dir(cfg)
-    if adapter.exists():
-        raise UserInputError(f"train.run_name={cfg.train.run_name}: {adapter} already exists and would be "
-                             "overwritten; choose another train.run_name or move that directory")
     return CheckedInputs(train, eval_, train_rows, eval_rows)
+
+
+def check_run_dir(cfg: FinetuneConfig, resume: bool) -> str | None:
+    """A new run must not reuse a run directory; a resumed one must find its own. Returns the MLflow
+    run id to continue, if resuming."""
+    record = cfg.run_dir / RUN_RECORD
+    if not resume:
+        if cfg.run_dir.exists():
+            raise UserInputError(f"train.run_name={cfg.train.run_name}: {cfg.run_dir} holds an earlier run; "
+                                 "pass --resume to continue it, or choose another train.run_name")
+        return None
+    if not record.exists():
+        raise UserInputError(f"--resume: no run to resume at {cfg.run_dir}; check train.run_name and train.output_dir")
+    if adapter_dir(cfg).exists():
+        raise UserInputError(f"--resume: run {cfg.train.run_name} already finished ({adapter_dir(cfg)} exists)")
+    return json.loads(record.read_text())["mlflow_run_id"]
+
+
+RUN_RECORD = "run.json"  # in the run directory: which MLflow run a resumed job continues
 
 
 def adapter_dir(cfg: FinetuneConfig) -> Path:
@@ -113,20 +128,34 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str) -> To
                            "adapter_dir": str(adapter_dir(cfg))},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
-        run_config=RunConfig(name=cfg.train.run_name, storage_path=cfg.train.output_dir),
+        run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
+            name=cfg.train.run_name, storage_path=cfg.train.output_dir,
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            worker_runtime_env={"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}} if FAULT_ENV in os.environ else None),
         datasets={"train": train_ds, "eval": eval_ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
 
 
-def run_finetune(cfg: FinetuneConfig) -> dict:
-    """Check, launch, train, record; returns the one-line JSON summary as a dict."""
+def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
+    """Check, launch, train, record; returns the one-line JSON summary as a dict.
+
+    With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
+    same MLflow run, with whatever worker count the config now asks for.
+    """
     t0 = time.perf_counter()
     inputs = check_inputs(cfg)
+    run_id = check_run_dir(cfg, resume)
     init_ray(cfg)
     check_placement(cfg)
-    run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
-                                                    "data.eval_rows": inputs.eval_rows})
+    if run_id is None:
+        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
+                                                        "data.eval_rows": inputs.eval_rows})
+        cfg.run_dir.mkdir(parents=True)
+        (cfg.run_dir / RUN_RECORD).write_text(json.dumps({"mlflow_run_id": run_id}))
+    else:
+        tracking.reopen_run(cfg.mlflow.tracking_uri, run_id)
     status = "FAILED"
     try:
         build_trainer(cfg, inputs, run_id).fit()

@@ -1,32 +1,30 @@
 """The LoRA + FSDP2 fine-tuning recipe that every worker runs, top to bottom.
 
 Plain torch: the process group must exist, and batches arrive as iterables of
-{"input_ids", "labels"} tensors. Ray (app/worker.py) provides both on a cluster; tests provide them
-with torch.multiprocessing and lists.
+{"input_ids", "labels"} tensors. Ray (app/worker.py) provides both on a cluster, plus a checkpoint
+store; tests provide them with torch.multiprocessing and lists.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import resource
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from transformers import get_scheduler
 
-from app.checkpoint import gather_trainable_state, save_adapter
+from app.checkpoint import TrainerState, gather_trainable_state, load_training_state, save_adapter, save_training_state
 from app.config import FinetuneConfig
 from app.loss import global_target_tokens, scaled_micro_batch_loss, summed_token_loss, target_token_count
 from app.model import build_lora_model, load_tokenizer
+from app.progress import Progress, peak_memory_gb
 from app.sharding import build_device_mesh, full_grad_norm, shard_model, trainable_parameters
-
-Batches = Callable[[], Iterable[dict]]  # each call starts one pass over this rank's data
+from app.stream import PassOverShard, ShardStream, to_device
 
 
 @dataclass
@@ -36,16 +34,34 @@ class Worker:
     device: torch.device
 
 
-class NoTracking:
-    """What ranks other than 0 log to: nothing."""
+class Tracker(Protocol):
+    logged_through: int  # steps up to here were logged by an earlier attempt of this run
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
 
 
-def finetune(cfg: FinetuneConfig, worker: Worker, train_batches: Batches, eval_batches: Batches,
-             tracker=NoTracking(), adapter_dir: Path | None = None) -> dict[str, float]:
-    """Train for exactly `train.max_steps` optimizer steps on every rank; returns the run's figures."""
+class NoTracking:
+    """What ranks other than 0 log to: nothing."""
+
+    logged_through = -1
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
+
+
+class CheckpointStore(Protocol):
+    def restore(self, load: Callable[[Path], TrainerState]) -> TrainerState | None: ...
+    def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
+
+
+def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eval_pass: Callable[[], Iterable],
+             tracker: Tracker = NoTracking(), checkpoints: CheckpointStore | None = None,
+             adapter_dir: Path | None = None) -> dict[str, float]:
+    """Train until `train.max_steps` optimizer steps are done, the same on every rank.
+
+    Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
+    """
     t_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -55,17 +71,22 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_batches: Batches, eval_b
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     scheduler = get_scheduler(cfg.train.lr_schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                               num_training_steps=cfg.train.max_steps)
-    pad_id = tokenizer.pad_token_id
 
-    eval_loss = evaluate(model, eval_batches, worker)
-    tracker.log_metrics({"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}, step=0)
-    first_eval_loss = eval_loss
-    batches = _endless(train_batches, worker.device)
-    progress = Progress(cfg.train.max_steps, enabled=worker.rank == 0)
-    tokens_seen, steady_tokens, steady_seconds = 0, 0, 0.0
+    state = checkpoints.restore(lambda d: load_training_state(d, model, optimizer)) if checkpoints else None
+    if state is None:
+        eval_loss = evaluate(model, eval_pass, worker)
+        state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={}, initial_eval_loss=eval_loss)
+        _log(tracker, _eval_metrics(eval_loss), step=0)
+    else:
+        scheduler.load_state_dict(state.scheduler)
+        eval_loss = float("nan")
+        tracker.log_metrics({"resumed_from_step": state.step}, step=state.step)
+    batches = ShardStream(train_pass, worker.device, state.epoch, state.rows_into_epoch // worker.world_size)
+    progress = Progress(state.step + 1, cfg.train.max_steps, enabled=worker.rank == 0)
+    steady_tokens, steady_seconds = 0, 0.0
     train_loss = float("nan")
     model.train()
-    for step in range(1, cfg.train.max_steps + 1):
+    for step in range(state.step + 1, cfg.train.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
         global_tokens = global_target_tokens(micro_batches)
@@ -80,48 +101,55 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_batches: Batches, eval_b
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        step_tokens = torch.stack([loss_sum, _real_tokens(micro_batches, pad_id)])
-        dist.all_reduce(step_tokens)  # global loss sum and token count: the step's one host sync
-        train_loss = (step_tokens[0] / global_tokens).item()
-        seconds = time.perf_counter() - t0
-        tokens_seen += int(step_tokens[1])
-        if step > 1:  # the first step pays for warm-up (allocations, first all-gathers)
-            steady_tokens, steady_seconds = steady_tokens + int(step_tokens[1]), steady_seconds + seconds
+        step_totals = torch.stack([loss_sum, _real_tokens(micro_batches, tokenizer.pad_token_id)])
+        dist.all_reduce(step_totals)  # global loss sum and token count: the step's one host sync
+        train_loss = (step_totals[0] / global_tokens).item()
+        seconds, tokens = time.perf_counter() - t0, int(step_totals[1])
+        if step > state.step + 1:  # the first step of an attempt pays for warm-up
+            steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + seconds
         metrics = {"train_loss": train_loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_second": step_tokens[1].item() / seconds, "peak_memory_gb": peak_memory_gb(worker)}
+                   "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(worker.device)}
         if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
-            eval_loss = evaluate(model, eval_batches, worker)
-            metrics |= {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
+            eval_loss = evaluate(model, eval_pass, worker)
+            metrics |= _eval_metrics(eval_loss)
         if step % cfg.train.log_every == 0 or "eval_loss" in metrics:
-            tracker.log_metrics(metrics, step)
+            _log(tracker, metrics, step)
             progress.line(step, metrics)
+        if checkpoints and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.max_steps):
+            position = TrainerState(step, batches.epoch, batches.rows_into_epoch * worker.world_size,
+                                    scheduler.state_dict(), state.initial_eval_loss)
+            t_save = time.perf_counter()
+            checkpoints.save(lambda d: save_training_state(d, model, optimizer, position),
+                             {"step": step, "train_loss": train_loss})
+            _log(tracker, {"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
 
+    if math.isnan(eval_loss):  # resumed from the final checkpoint: nothing trained in this attempt
+        eval_loss = evaluate(model, eval_pass, worker)
     adapter_state = gather_trainable_state(model)  # collective: every rank
     if worker.rank == 0 and adapter_dir is not None:
         save_adapter(model, adapter_state, adapter_dir, tokenizer)
         tracker.log_artifacts(adapter_dir, "adapter")
     summary = {"steps": cfg.train.max_steps, "final_train_loss": train_loss, "final_eval_loss": eval_loss,
-               "initial_eval_loss": first_eval_loss, "tokens_seen": tokens_seen,
+               "initial_eval_loss": state.initial_eval_loss,
                "tokens_per_second_steady": steady_tokens / steady_seconds if steady_seconds else float("nan"),
-               "peak_memory_gb_max_over_workers": _max_over_ranks(peak_memory_gb(worker), worker),
+               "peak_memory_gb_max_over_workers": _max_over_ranks(peak_memory_gb(worker.device), worker),
                "worker_seconds": time.perf_counter() - t_start}
     tracker.log_metrics(summary, cfg.train.max_steps)
     return summary
 
 
 @torch.no_grad()
-def evaluate(model, eval_batches: Batches, worker: Worker) -> float:
+def evaluate(model, eval_pass: Callable[[], Iterable], worker: Worker) -> float:
     """Mean loss per target token over the whole eval set, the same for any worker count.
 
     Every rank reads all eval batches and scores batches rank, rank + world, ...; ranks with fewer
     batches run an extra forward with no weight, since FSDP needs every rank in every forward.
     """
     model.eval()
-    batches = [_to_device(b, worker.device) for b in eval_batches()]
+    batches = [to_device(b, worker.device) for b in eval_pass()]
     mine = batches[worker.rank::worker.world_size]
-    rounds = math.ceil(len(batches) / worker.world_size)
     totals = torch.zeros(2, dtype=torch.float64, device=worker.device)
-    for i in range(rounds):
+    for i in range(math.ceil(len(batches) / worker.world_size)):
         batch = mine[i] if i < len(mine) else batches[0]
         token_loss = summed_token_loss(model, batch)
         if i < len(mine):
@@ -131,20 +159,14 @@ def evaluate(model, eval_batches: Batches, worker: Worker) -> float:
     return (totals[0] / totals[1]).item()
 
 
-def _endless(train_batches: Batches, device: torch.device) -> Iterator[dict]:
-    """Pass after pass over this rank's shard, so every rank can take exactly max_steps steps."""
-    for epoch in itertools.count():
-        empty = True
-        for batch in train_batches():
-            empty = False
-            yield _to_device(batch, device)
-        if empty:
-            raise RuntimeError(f"this worker's training shard is empty (epoch {epoch}); "
-                               "the dataset has fewer rows than workers")
+def _eval_metrics(eval_loss: float) -> dict[str, float]:
+    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: torch.as_tensor(batch[k]).to(device, non_blocking=True) for k in ("input_ids", "labels")}
+def _log(tracker: Tracker, metrics: dict[str, float], step: int) -> None:
+    """Steps an earlier attempt already logged are not logged again: one value per step in MLflow."""
+    if step > tracker.logged_through:
+        tracker.log_metrics(metrics, step)
 
 
 def _real_tokens(micro_batches: list[dict], pad_id: int) -> torch.Tensor:
@@ -152,34 +174,7 @@ def _real_tokens(micro_batches: list[dict], pad_id: int) -> torch.Tensor:
     return sum((b["input_ids"] != pad_id).sum() for b in micro_batches).to(torch.float64)
 
 
-def peak_memory_gb(worker: Worker) -> float:
-    """CUDA: peak allocated by torch. CPU: peak resident set size of this worker process."""
-    if worker.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(worker.device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
-
-
 def _max_over_ranks(value: float, worker: Worker) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=worker.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-class Progress:
-    """One line per logged step on rank 0: step/total, loss, lr, throughput, ETA.
-
-    Written to the process's real stdout: Ray Train's patched print would tee it into the job log twice.
-    """
-
-    def __init__(self, total_steps: int, enabled: bool):
-        self.total, self.enabled, self.t0 = total_steps, enabled, time.perf_counter()
-
-    def line(self, step: int, m: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / step * (self.total - step)
-        extra = f" | eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
-        print(f"step {step}/{self.total} | loss {m['train_loss']:.4f}{extra} | lr {m['learning_rate']:.2e} | "
-              f"grad_norm {m['grad_norm']:.3f} | {m['tokens_per_second']:,.0f} tok/s | "
-              f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)

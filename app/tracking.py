@@ -58,8 +58,12 @@ def finish_run(tracking_uri: str, run_id: str, status: str) -> None:
     MlflowClient(tracking_uri).set_terminated(run_id, status=status)
 
 
-def run_status(tracking_uri: str, run_id: str) -> str:
-    return MlflowClient(tracking_uri).get_run(run_id).info.status
+def reopen_run(tracking_uri: str, run_id: str) -> None:
+    """A resumed job continues its run: back to RUNNING, the resume counted in a tag."""
+    client = MlflowClient(tracking_uri)
+    resumes = int(client.get_run(run_id).data.tags.get("resumes", "0")) + 1
+    client.update_run(run_id, status="RUNNING")
+    client.set_tag(run_id, "resumes", str(resumes))
 
 
 class RunLogger:
@@ -67,10 +71,16 @@ class RunLogger:
 
     def __init__(self, tracking_uri: str, run_id: str, retry_seconds: float = 2.0):
         self.client, self.run_id, self.retry_seconds = MlflowClient(tracking_uri), run_id, retry_seconds
+        self.logged_through = self._last_logged_step()
         self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
         self._failures = 0
         self._thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
         self._thread.start()
+
+    def _last_logged_step(self) -> int:
+        """-1 for a new run; after a restart, the last step an earlier attempt logged."""
+        steps = [m.step for key in ("train_loss", "eval_loss") for m in self.client.get_metric_history(self.run_id, key)]
+        return max(steps, default=-1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)

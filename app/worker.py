@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import tempfile
 from pathlib import Path
 
 import ray.train
 import ray.train.torch
 
+from app.checkpoint import TrainerState
 from app.config import config_from_dict
 from app.recipe import NoTracking, Worker, finetune
 from app.tracking import RunLogger
+
+
+FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": fault injection for the resilience tests
+
+
+class RayCheckpoints:
+    """Checkpoints through Ray Train: it uploads each rank's shard into one directory under
+    RunConfig.storage_path, keeps the last `train.keep_checkpoints`, and registers a checkpoint only
+    once every rank has reported it, so a crash mid-save leaves the previous one as the latest."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.is_last_rank = rank == world_size - 1
+
+    def restore(self, load) -> TrainerState | None:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load(Path(directory))
+
+    def save(self, write, metrics: dict[str, float]) -> None:
+        with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as directory:
+            write(Path(directory))
+            self._maybe_die_mid_save(metrics["step"])
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def _maybe_die_mid_save(self, step: int) -> None:
+        """With FINETUNE_FAULT_DIE_IN_CHECKPOINT=STEP:MARKER set, the last rank SIGKILLs itself once,
+        at that step, after writing its shard and before Ray has the checkpoint: a crash mid-save."""
+        fault = os.environ.get(FAULT_ENV)
+        if not (fault and self.is_last_rank):
+            return
+        at_step, marker = fault.split(":", 1)
+        if int(at_step) == step and not os.path.exists(marker):
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_worker(loop_config: dict) -> None:
@@ -19,18 +59,18 @@ def train_worker(loop_config: dict) -> None:
     train_shard = ray.train.get_dataset_shard("train")
     eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
 
-    def train_batches():
+    def train_pass(epoch: int):
         return train_shard.iter_torch_batches(
-            batch_size=cfg.train.micro_batch_size, dtypes=None,
-            local_shuffle_buffer_size=cfg.data.shuffle_buffer_rows or None,
-            local_shuffle_seed=cfg.train.seed + worker.rank)
+            batch_size=cfg.train.micro_batch_size, local_shuffle_buffer_size=cfg.data.shuffle_buffer_rows or None,
+            local_shuffle_seed=cfg.train.seed + 1000 * epoch + worker.rank)
 
-    def eval_batches():
+    def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
     tracker = RunLogger(cfg.mlflow.tracking_uri, loop_config["mlflow_run_id"]) if worker.rank == 0 else NoTracking()
     try:
-        finetune(cfg, worker, train_batches, eval_batches, tracker, adapter_dir=Path(loop_config["adapter_dir"]))
+        finetune(cfg, worker, train_pass, eval_pass, tracker, RayCheckpoints(worker.rank, worker.world_size),
+                 Path(loop_config["adapter_dir"]))
     finally:
         if worker.rank == 0:
             tracker.close()

@@ -21,16 +21,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/embedded.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set train.max_steps=50 (repeatable)")
+    parser.add_argument("--resume", metavar="RUN_NAME",
+                        help="continue this run (under train.output_dir) from its latest checkpoint")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
         from app.launcher import run_finetune  # imports Ray: only after the config is known good
 
-        summary = run_finetune(cfg)
+        summary = run_finetune(cfg, resume=bool(args.resume))
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

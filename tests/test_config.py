@@ -60,3 +60,9 @@ def test_unknown_key_in_the_file_is_named(tmp_path):
 def test_missing_config_file():
     with pytest.raises(UserInputError, match="no such file"):
         load_config("jobs/configs/nope.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((EMBEDDED_CONFIG.parent).glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * cfg.scaling.num_workers) == 0

@@ -1,0 +1,36 @@
+"""What a run reports about itself: the progress line and the memory figure."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """CUDA: peak allocated by torch. CPU: peak resident set size of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+class Progress:
+    """One line per logged step on rank 0: step/total, loss, lr, throughput, ETA.
+
+    Written to the process's real stdout: Ray Train's patched print would tee it into the job log twice.
+    """
+
+    def __init__(self, first_step: int, total_steps: int, enabled: bool):
+        self.first, self.total, self.enabled, self.t0 = first_step, total_steps, enabled, time.perf_counter()
+
+    def line(self, step: int, m: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        done = step - self.first + 1
+        eta = (time.perf_counter() - self.t0) / done * (self.total - step)
+        extra = f" | eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+        print(f"step {step}/{self.total} | loss {m['train_loss']:.4f}{extra} | lr {m['learning_rate']:.2e} | "
+              f"grad_norm {m['grad_norm']:.3f} | {m['tokens_per_second']:,.0f} tok/s | "
+              f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)

@@ -56,6 +56,8 @@ class DataSection(_Section):
     max_seq_len: int = Field(512, gt=1)
     shuffle_buffer_rows: int = Field(256, ge=0, description="local shuffle buffer per worker; 0 disables")
     tokenizer_actors: int = Field(2, gt=0, description="most actors tokenizing in parallel (autoscaled from 1)")
+    cache_tokenized: bool = Field(True, description="tokenize the train set once and keep the rows in Ray's "
+                                                     "object store; false: re-read and re-tokenize every pass")
 
 
 class TrainSection(_Section):

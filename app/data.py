@@ -1,7 +1,11 @@
 """The Ray Data pipeline: read -> format + tokenize (map_batches) -> fixed-length token rows.
 
-The training set streams to the workers (Ray Train splits it with `streaming_split`); the eval set is
-small, capped at `data.max_eval_rows`, materialized once and read whole by every worker.
+The training set streams to the workers (Ray Train splits it with `streaming_split`). By default it is
+tokenized once, before training, and its token rows kept in Ray's object store (which spills to
+disk): every later pass only reads blocks. Re-running the read + tokenize pipeline on each pass
+(`data.cache_tokenized: false`) is for data the object store cannot hold; each pass then waits for
+the tokenizing actors to start. The eval set is small, capped at `data.max_eval_rows`, held in the
+object store and read whole by every worker.
 """
 
 from __future__ import annotations
@@ -48,13 +52,21 @@ def tokenized(ds: ray.data.Dataset, model: ModelSection, data: DataSection) -> r
                           batch_format="pyarrow", batch_size=256)
 
 
-def build_datasets(train: DataSource, eval_: DataSource | None, model: ModelSection, data: DataSection,
-                   seed: int) -> tuple[ray.data.Dataset, ray.data.Dataset]:
-    """(train, eval) datasets of token rows; without an eval source, a seeded split of the train set."""
+def build_datasets(train: DataSource, eval_: DataSource | None, tokenizer, model: ModelSection,
+                   data: DataSection, seed: int) -> tuple[ray.data.Dataset, ray.data.Dataset]:
+    """(train, eval) datasets of token rows; without an eval source, a seeded split of the train set.
+
+    The eval set (at most `data.max_eval_rows`) is tokenized here in the driver, which already holds
+    the tokenizer: starting a tokenizing actor for a few hundred rows would cost more than the work.
+    """
     train_ds = read_records(train, data)
     if eval_ is not None:
         eval_ds = read_records(eval_, data)
     else:
         train_ds, eval_ds = train_ds.train_test_split(test_size=data.eval_fraction, shuffle=True, seed=seed)
-    eval_ds = tokenized(eval_ds.limit(data.max_eval_rows), model, data).materialize()
-    return tokenized(train_ds, model, data), eval_ds
+    records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
+    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
+    eval_rows = ray.data.from_items([{"input_ids": ids, "labels": labels}
+                                     for ids, labels in zip(rows["input_ids"], rows["labels"])])
+    train_rows = tokenized(train_ds, model, data)
+    return (train_rows.materialize() if data.cache_tokenized else train_rows), eval_rows

@@ -21,7 +21,7 @@ from app.config import FinetuneConfig
 from app.data import build_datasets
 from app.datasource import DataSource, check_source, resolve_source
 from app.errors import UserInputError
-from app.model import check_model_source, load_tokenizer
+from app.model import check_lora_targets, check_model_source, load_tokenizer
 from app.worker import FAULT_ENV, train_worker
 
 
@@ -31,13 +31,14 @@ class CheckedInputs:
     eval: DataSource | None
     train_rows: int
     eval_rows: int
+    tokenizer: object
 
 
 def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     """Every check that needs no cluster: model path, tokenizer, data files and records, output dir."""
     check_model_source(cfg.model)
     try:
-        load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(cfg.model)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first}") from None
@@ -45,7 +46,8 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
     train_rows = check_source(train, cfg.data.format, "data.train_path", cfg.data.split)
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
-    return CheckedInputs(train, eval_, train_rows, eval_rows)
+    check_lora_targets(cfg.model, cfg.lora)
+    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
 
 
 def check_run_dir(cfg: FinetuneConfig, resume: bool) -> str | None:
@@ -120,7 +122,8 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
 
 def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str) -> TorchTrainer:
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
-    train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, cfg.model, cfg.data, cfg.train.seed)
+    train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, inputs.tokenizer, cfg.model, cfg.data,
+                                       cfg.train.seed)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     return TorchTrainer(
         train_worker,

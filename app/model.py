@@ -39,6 +39,27 @@ def check_model_source(model: ModelSection) -> None:
                                  "review it, then set model.trust_remote_code=true")
 
 
+def check_lora_targets(model: ModelSection, lora: LoraSection) -> None:
+    """Every name in lora.target_modules must match a module of the model.
+
+    Checked on a weightless copy of the architecture (meta device), so it costs a second even for a
+    70B model, and a typo fails here instead of in every worker after the cluster has started.
+    """
+    if lora.target_modules == "all-linear":
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
+    missing = [t for t in lora.target_modules if t not in leaf_names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UserInputError(f"lora.target_modules: {missing} match no module of {model.path}; "
+                             f"its linear layers are {linear}")
+
+
 def load_tokenizer(model: ModelSection):
     from transformers import AutoTokenizer
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from app.config import load_config
@@ -26,8 +27,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    """`ray job stop` sends SIGTERM: unwind like Ctrl-C, so the MLflow run is ended KILLED."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)

@@ -38,6 +38,21 @@ def ray_cluster():
     ray.shutdown()
 
 
+# Settings of the short runs the e2e and fault tests compare: every step logged, no shuffle buffer.
+SHORT_RUN = ["train.max_steps=30", "train.checkpoint_every=6", "train.eval_every=15", "train.log_every=1",
+             "train.warmup_steps=2", "data.shuffle_buffer_rows=0"]
+
+
+@pytest.fixture(scope="session")
+def reference_run(ray_cluster, embedded, tmp_path_factory):
+    """One uninterrupted 2-worker run of SHORT_RUN: checked by the e2e tests, compared against by the
+    fault tests."""
+    from app.launcher import run_finetune
+
+    cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference")
+    return cfg, run_finetune(cfg)
+
+
 def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> FinetuneConfig:
     """The embedded config, reading the built model and data, writing under tmp_path, with overrides."""
     return load_config(EMBEDDED_CONFIG, [

@@ -45,6 +45,11 @@ def test_missing_empty_and_malformed_data(run_cli, tmp_path):
     assert f"{fieldless}:2: record needs fields" in run_cli(f"data.train_path={fieldless}")
 
 
+def test_lora_target_modules_are_checked_against_the_model(run_cli):
+    err = run_cli("lora.target_modules=[q_proj, qkv_proj]")
+    assert "lora.target_modules: ['qkv_proj'] match no module of" in err and "'q_proj'" in err
+
+
 def test_the_process_exits_nonzero_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jobs.finetune", "--config", str(EMBEDDED_CONFIG),
                            "--set", "scaling.num_workers=3"], cwd=REPO, capture_output=True, text=True)

@@ -38,40 +38,34 @@ print(json.dumps({"eval_loss": loss.item()}))
 """
 
 
-@pytest.fixture(scope="module")
-def two_worker_run(ray_cluster, embedded, tmp_path_factory):
-    cfg = make_config(tmp_path_factory.mktemp("run"), embedded, "train.max_steps=40", "train.eval_every=20",
-                      "train.log_every=1", "train.run_name=two-workers")
-    return cfg, run_finetune(cfg)
-
-
-def test_two_workers_learn_the_task(two_worker_run):
-    cfg, summary = two_worker_run
-    assert summary["steps"] == 40
+def test_two_workers_learn_the_task(reference_run):
+    cfg, summary = reference_run
+    assert summary["steps"] == 30
     assert summary["final_eval_loss"] < 0.5 * summary["initial_eval_loss"]
     assert summary["tokens_per_second"] > 0 and summary["peak_memory_gb"] > 0
 
 
-def test_the_mlflow_run_holds_config_curves_and_adapter(two_worker_run):
-    cfg, summary = two_worker_run
+def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run):
+    cfg, summary = reference_run
     client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
-    assert run.info.status == "FINISHED" and run.info.run_name == "two-workers"
+    assert run.info.status == "FINISHED" and run.info.run_name == "reference"
     assert run.data.params["lora.r"] == str(cfg.lora.r)
     assert run.data.params["scaling.num_workers"] == "2"
     assert run.data.tags["base_model"] == cfg.model.path
     losses = client.get_metric_history(run.info.run_id, "train_loss")
-    assert sorted(m.step for m in losses) == list(range(1, 41))
+    assert sorted(m.step for m in losses) == list(range(1, 31))
     for name in ("learning_rate", "grad_norm", "tokens_per_second", "peak_memory_gb"):
-        assert len(client.get_metric_history(run.info.run_id, name)) == 40, name
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [0, 20, 40]
+        assert len(client.get_metric_history(run.info.run_id, name)) == 30, name
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [0, 15, 30]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "checkpoint_save_seconds")] == [6, 12, 18, 24, 30]
     assert "eval_perplexity" in run.data.metrics
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json"} <= artifacts
 
 
-def test_the_adapter_reloads_in_a_fresh_process_and_reproduces_the_eval_loss(two_worker_run, embedded, tmp_path):
-    cfg, summary = two_worker_run
+def test_the_adapter_reloads_in_a_fresh_process_and_reproduces_the_eval_loss(reference_run, embedded, tmp_path):
+    cfg, summary = reference_run
     out = subprocess.run([sys.executable, "-c", RELOAD_SCRIPT, str(embedded["model"]), summary["adapter_path"],
                           str(embedded["eval"]), str(cfg.data.max_seq_len)],
                          capture_output=True, text=True, check=True, cwd=str(tmp_path.parent.parent))
@@ -106,12 +100,3 @@ def test_more_workers_than_the_cluster_holds_fails_before_any_run(ray_cluster, e
     with pytest.raises(UserInputError, match="scaling.num_workers=64 needs 64 CPUs .* but the cluster has"):
         run_finetune(cfg)
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
-
-
-def test_a_failure_inside_the_workers_ends_the_run_failed(ray_cluster, embedded, tmp_path):
-    cfg = make_config(tmp_path, embedded, "lora.target_modules=[no_such_module]", "train.run_name=broken")
-    with pytest.raises(Exception):
-        run_finetune(cfg)
-    runs = MlflowClient(cfg.mlflow.tracking_uri).search_runs(
-        [MlflowClient(cfg.mlflow.tracking_uri).get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
-    assert [(r.info.run_name, r.info.status) for r in runs] == [("broken", "FAILED")]

@@ -63,7 +63,7 @@ def test_a_killed_worker_is_replaced_and_the_run_finishes_without_losing_steps(r
     restart_step = int(next(iter(resumed.values())))
     assert restart_step % 6 == 0 and 6 <= restart_step <= seen["step"]
     after_restart = [losses[s] for s in range(seen["step"] + 1, seen["step"] + 5)]  # the new workers' first steps
-    assert max(after_restart) < 0.5 * losses[1], "after the restart the loss started over from the untrained value"
+    assert max(after_restart) < 0.7 * losses[1], "after the restart the loss started over from the untrained value"
     assert MlflowClient(cfg.mlflow.tracking_uri).get_run(run_id).info.status == "FINISHED"
     assert summary["final_eval_loss"] == pytest.approx(reference_run[1]["final_eval_loss"], rel=0.1)
     checkpoints = [p for p in cfg.run_dir.glob("checkpoint_*") if p.is_dir()]

@@ -70,9 +70,13 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path, tokenizer) -> Path:
-    """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is."""
+def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path, tokenizer,
+                 run_config_yaml: str = "") -> Path:
+    """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is, with the
+    tokenizer files and the config of the run that trained it (`finetune_config.yaml`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    if run_config_yaml:
+        (out_dir / "finetune_config.yaml").write_text(run_config_yaml)
     return out_dir

@@ -117,6 +117,10 @@ class FinetuneConfig(_Section):
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / str(self.train.run_name)
 
+    def to_yaml(self) -> str:
+        """The resolved config, loadable again with `--config`."""
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
     def flat(self) -> dict[str, Any]:
         """`{"lora.r": 16, ...}`: the shape MLflow params take."""
         return {f"{section}.{key}": value for section, fields in self.model_dump().items()

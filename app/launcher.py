@@ -25,6 +25,9 @@ from app.model import check_lora_targets, check_model_source, load_tokenizer
 from app.worker import FAULT_ENV, train_worker
 
 
+RUN_RECORD = "run.json"  # in the run directory: which MLflow run a resumed job continues
+
+
 @dataclass(frozen=True)
 class CheckedInputs:
     train: DataSource
@@ -35,7 +38,7 @@ class CheckedInputs:
 
 
 def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
-    """Every check that needs no cluster: model path, tokenizer, data files and records, output dir."""
+    """Every check that needs no cluster: model path, tokenizer, LoRA targets, data files and records."""
     check_model_source(cfg.model)
     try:
         tokenizer = load_tokenizer(cfg.model)
@@ -64,9 +67,6 @@ def check_run_dir(cfg: FinetuneConfig, resume: bool) -> str | None:
     if adapter_dir(cfg).exists():
         raise UserInputError(f"--resume: run {cfg.train.run_name} already finished ({adapter_dir(cfg)} exists)")
     return json.loads(record.read_text())["mlflow_run_id"]
-
-
-RUN_RECORD = "run.json"  # in the run directory: which MLflow run a resumed job continues
 
 
 def adapter_dir(cfg: FinetuneConfig) -> Path:

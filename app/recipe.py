@@ -127,7 +127,7 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
         eval_loss = evaluate(model, eval_pass, worker)
     adapter_state = gather_trainable_state(model)  # collective: every rank
     if worker.rank == 0 and adapter_dir is not None:
-        save_adapter(model, adapter_state, adapter_dir, tokenizer)
+        save_adapter(model, adapter_state, adapter_dir, tokenizer, cfg.to_yaml())
         tracker.log_artifacts(adapter_dir, "adapter")
     summary = {"steps": cfg.train.max_steps, "final_train_loss": train_loss, "final_eval_loss": eval_loss,
                "initial_eval_loss": state.initial_eval_loss,

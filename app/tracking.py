@@ -42,7 +42,7 @@ def get_or_create_experiment(client: MlflowClient, cfg: FinetuneConfig) -> str:
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str], extra_params: dict[str, object]) -> str:
-    """Create the job's run with the resolved config as params; returns its id."""
+    """Create the job's run with the resolved config as params and as an artifact; returns its id."""
     Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     run = client.create_run(get_or_create_experiment(client, cfg), run_name=cfg.train.run_name,
@@ -50,6 +50,7 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str], extra_params: dict[str,
     params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in {**cfg.flat(), **extra_params}.items()]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
+    client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
     return run.info.run_id
 
 

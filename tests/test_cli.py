@@ -50,6 +50,17 @@ def test_lora_target_modules_are_checked_against_the_model(run_cli):
     assert "lora.target_modules: ['qkv_proj'] match no module of" in err and "'q_proj'" in err
 
 
+def test_an_earlier_run_is_never_overwritten_and_resume_needs_one(embedded, tmp_path, capsys):
+    base = ["--config", str(EMBEDDED_CONFIG), "--set", f"train.output_dir={tmp_path}",
+            "--set", f"model.path={embedded['model']}", "--set", f"data.eval_path={embedded['eval']}"]
+    (tmp_path / "mine").mkdir()
+    assert main(base + ["--set", "train.run_name=mine"]) == 2
+    assert "holds an earlier run; pass --resume to continue it" in capsys.readouterr().err
+    assert main(base + ["--resume", "other"]) == 2
+    assert "--resume: no run to resume at" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [tmp_path / "mine"]
+
+
 def test_the_process_exits_nonzero_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jobs.finetune", "--config", str(EMBEDDED_CONFIG),
                            "--set", "scaling.num_workers=3"], cwd=REPO, capture_output=True, text=True)

@@ -10,6 +10,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
+from app.config import load_config
 from app.errors import UserInputError
 from app.launcher import run_finetune
 
@@ -45,7 +46,7 @@ def test_two_workers_learn_the_task(reference_run):
     assert summary["tokens_per_second"] > 0 and summary["peak_memory_gb"] > 0
 
 
-def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run):
+def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path):
     cfg, summary = reference_run
     client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
@@ -61,7 +62,10 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "checkpoint_save_seconds")] == [6, 12, 18, 24, 30]
     assert "eval_perplexity" in run.data.metrics
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json"} <= artifacts
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
+            "adapter/finetune_config.yaml"} <= artifacts
+    resolved = client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))
+    assert load_config(resolved) == cfg  # the logged config reproduces the run's config exactly
 
 
 def test_the_adapter_reloads_in_a_fresh_process_and_reproduces_the_eval_loss(reference_run, embedded, tmp_path):

@@ -30,6 +30,9 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     dtype: DType = Field("bfloat16", description="dtype of the frozen base weights")
     gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing")
+    load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
+                                             "then shards it; sharded: build on the meta device, each worker "
+                                             "reads only its shard (host memory per worker ~ 1/N of the model)")
 
 
 class LoraSection(_Section):
@@ -77,17 +80,25 @@ class TrainSection(_Section):
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")
     output_dir: str = Field("outputs", description="run directories (adapter, Ray storage) go under here")
     run_name: str | None = Field(None, description="defaults to the config file's name and the start time")
+    sample_prompts: int = Field(4, ge=0, description="eval prompts whose greedy generations are logged as an "
+                                                     "MLflow table at the end")
+    sample_max_new_tokens: int = Field(32, gt=0)
 
 
 class ScalingSection(_Section):
     num_workers: int = Field(2, gt=0)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0.0)
+    mesh: list[int] | None = Field(None, description="[replicas, shard size] for HSDP: shard within groups of "
+                                   "`shard size` workers (a node), replicate across groups; None: shard over all")
 
 
 class MlflowSection(_Section):
-    tracking_uri: str | None = Field(None, description="None: a local sqlite store under train.output_dir")
+    tracking_uri: str | None = Field(None, description="None: $MLFLOW_TRACKING_URI, else a local sqlite store "
+                                                      "under train.output_dir")
     experiment: str = "lora-finetune"
+    sweep: str | None = Field(None, description="the sweep this run belongs to (a tag the UI groups by)")
+    parent_run_id: str | None = Field(None, description="nest this run under that run in the UI (a sweep's parent)")
 
 
 class FinetuneConfig(_Section):
@@ -107,6 +118,10 @@ class FinetuneConfig(_Section):
                 f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size x scaling.num_workers = {per_step}; change one of them"
             )
+        mesh = self.scaling.mesh
+        if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
+            raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
+                             f"scaling.num_workers = {self.scaling.num_workers}")
         return self
 
     @property
@@ -203,7 +218,8 @@ def _absolute_if_local(path: str | None) -> str | None:
 
 def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     out_dir = Path(cfg.train.output_dir).expanduser().resolve()
-    tracking_uri = cfg.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
+    tracking_uri = (cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                    or f"sqlite:///{out_dir / 'mlflow.db'}")
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": _absolute_if_local(cfg.model.path)}),
         "data": cfg.data.model_copy(update={"train_path": _absolute_if_local(cfg.data.train_path),

@@ -88,8 +88,8 @@ def init_ray(cfg: FinetuneConfig) -> None:
         return
     if in_ray_job():
         ray.init()
-    else:
-        ray.init(num_cpus=(os.cpu_count() or 1) + 2)  # the dashboard binds to 127.0.0.1 only
+    else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2)
 
 
 def check_placement(cfg: FinetuneConfig) -> None:
@@ -120,7 +120,7 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
     }
 
 
-def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str) -> TorchTrainer:
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_start_time: float) -> TorchTrainer:
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
     train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, inputs.tokenizer, cfg.model, cfg.data,
                                        cfg.train.seed)
@@ -128,7 +128,7 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str) -> To
     return TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg.model_dump(), "mlflow_run_id": run_id,
-                           "adapter_dir": str(adapter_dir(cfg))},
+                           "adapter_dir": str(adapter_dir(cfg)), "job_start_time": job_start_time},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
@@ -147,23 +147,24 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
     With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
     same MLflow run, with whatever worker count the config now asks for.
     """
-    t0 = time.perf_counter()
+    t0, job_start_time = time.perf_counter(), time.time()
     inputs = check_inputs(cfg)
     run_id = check_run_dir(cfg, resume)
     init_ray(cfg)
     check_placement(cfg)
     if run_id is None:
         run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
-                                                        "data.eval_rows": inputs.eval_rows})
+                                                        "data.eval_rows": inputs.eval_rows},
+                                    {"train": inputs.train, "eval": inputs.eval})
         cfg.run_dir.mkdir(parents=True)
         (cfg.run_dir / RUN_RECORD).write_text(json.dumps({"mlflow_run_id": run_id}))
     else:
         tracking.reopen_run(cfg.mlflow.tracking_uri, run_id)
     status = "FAILED"
     try:
-        build_trainer(cfg, inputs, run_id).fit()
+        build_trainer(cfg, inputs, run_id, job_start_time).fit()
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
         status = "KILLED"
         raise
     finally:
@@ -180,6 +181,9 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
         "final_train_loss": metrics["final_train_loss"],
         "final_eval_loss": metrics["final_eval_loss"],
         "tokens_per_second": metrics["tokens_per_second_steady"],
+        "time_to_first_step_seconds": metrics.get("time_to_first_step_seconds"),
+        "data_wait_fraction": metrics.get("data_wait_fraction"),
+        "step_seconds_mean_steady": metrics.get("step_seconds_mean_steady"),
         "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }

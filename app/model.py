@@ -12,8 +12,12 @@ from pathlib import Path
 
 import torch
 
-from app.config import LoraSection, ModelSection
+from typing import TYPE_CHECKING
+
 from app.errors import UserInputError
+
+if TYPE_CHECKING:  # importable without pydantic: jobs/bench_step.py runs on a bare GPU box
+    from app.config import LoraSection, ModelSection
 
 
 def torch_dtype(name: str) -> torch.dtype:

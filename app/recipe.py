@@ -20,10 +20,12 @@ from transformers import get_scheduler
 
 from app.checkpoint import TrainerState, gather_trainable_state, load_training_state, save_adapter, save_training_state
 from app.config import FinetuneConfig
+from app.generation import sample_generations
 from app.loss import global_target_tokens, scaled_micro_batch_loss, summed_token_loss, target_token_count
-from app.model import build_lora_model, load_tokenizer
+from app.loading import build_sharded_lora_model
+from app.model import load_tokenizer
 from app.progress import Progress, peak_memory_gb
-from app.sharding import build_device_mesh, full_grad_norm, shard_model, trainable_parameters
+from app.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.stream import PassOverShard, ShardStream, to_device
 
 
@@ -39,6 +41,7 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
 
 
 class NoTracking:
@@ -48,6 +51,7 @@ class NoTracking:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
 
 
 class CheckpointStore(Protocol):
@@ -57,16 +61,18 @@ class CheckpointStore(Protocol):
 
 def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eval_pass: Callable[[], Iterable],
              tracker: Tracker = NoTracking(), checkpoints: CheckpointStore | None = None,
-             adapter_dir: Path | None = None) -> dict[str, float]:
+             adapter_dir: Path | None = None, job_start_time: float | None = None) -> dict[str, float]:
     """Train until `train.max_steps` optimizer steps are done, the same on every rank.
 
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
+    `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
     """
     t_start = time.perf_counter()
+    job_start_time = job_start_time or time.time()
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model)
-    model = build_lora_model(cfg.model, cfg.lora, cfg.train.seed, worker.device)
-    shard_model(model, build_device_mesh(worker.device.type), cfg.fsdp)
+    model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh(worker.device.type, cfg.scaling.mesh),
+                                     cfg.train.seed, worker.device)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     scheduler = get_scheduler(cfg.train.lr_schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
@@ -83,12 +89,13 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
         tracker.log_metrics({"resumed_from_step": state.step}, step=state.step)
     batches = ShardStream(train_pass, worker.device, state.epoch, state.rows_into_epoch // worker.world_size)
     progress = Progress(state.step + 1, cfg.train.max_steps, enabled=worker.rank == 0)
-    steady_tokens, steady_seconds = 0, 0.0
+    steady_tokens, steady_seconds, steady_data_wait = 0, 0.0, 0.0
     train_loss = float("nan")
     model.train()
     for step in range(state.step + 1, cfg.train.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        data_wait = time.perf_counter() - t0  # the time this step waited on the data pipeline
         global_tokens = global_target_tokens(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=worker.device)
         for i, batch in enumerate(micro_batches):
@@ -107,12 +114,16 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
         seconds, tokens = time.perf_counter() - t0, int(step_totals[1])
         if step > state.step + 1:  # the first step of an attempt pays for warm-up
             steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + seconds
+            steady_data_wait += data_wait
         metrics = {"train_loss": train_loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(worker.device)}
+                   "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(worker.device),
+                   "data_wait_seconds": data_wait}
+        if step == state.step + 1:
+            metrics["time_to_first_step_seconds"] = time.time() - job_start_time
         if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
             eval_loss = evaluate(model, eval_pass, worker)
             metrics |= _eval_metrics(eval_loss)
-        if step % cfg.train.log_every == 0 or "eval_loss" in metrics:
+        if step % cfg.train.log_every == 0 or "eval_loss" in metrics or step == state.step + 1:
             _log(tracker, metrics, step)
             progress.line(step, metrics)
         if checkpoints and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.max_steps):
@@ -125,6 +136,10 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
 
     if math.isnan(eval_loss):  # resumed from the final checkpoint: nothing trained in this attempt
         eval_loss = evaluate(model, eval_pass, worker)
+    if cfg.train.sample_prompts:  # every rank decodes in lockstep; rank 0 logs the table
+        tracker.log_table(sample_generations(model, eval_pass(), tokenizer, cfg.train.sample_prompts,
+                                             cfg.train.sample_max_new_tokens, worker.device),
+                          "eval/sample_generations.json")
     adapter_state = gather_trainable_state(model)  # collective: every rank
     if worker.rank == 0 and adapter_dir is not None:
         save_adapter(model, adapter_state, adapter_dir, tokenizer, cfg.to_yaml())
@@ -132,6 +147,8 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
     summary = {"steps": cfg.train.max_steps, "final_train_loss": train_loss, "final_eval_loss": eval_loss,
                "initial_eval_loss": state.initial_eval_loss,
                "tokens_per_second_steady": steady_tokens / steady_seconds if steady_seconds else float("nan"),
+               "data_wait_fraction": steady_data_wait / steady_seconds if steady_seconds else float("nan"),
+               "step_seconds_mean_steady": steady_seconds / max(1, cfg.train.max_steps - state.step - 1),
                "peak_memory_gb_max_over_workers": _max_over_ranks(peak_memory_gb(worker.device), worker),
                "worker_seconds": time.perf_counter() - t_start}
     tracker.log_metrics(summary, cfg.train.max_steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -10,13 +11,31 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from app.config import FsdpSection
+from typing import TYPE_CHECKING
+
 from app.model import torch_dtype
 
+if TYPE_CHECKING:
+    from app.config import FsdpSection
 
-def build_device_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the already initialised process group."""
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+
+def init_torchrun_process_group() -> tuple[int, int, torch.device]:
+    """Under torchrun (the benchmark scripts): NCCL on GPUs, gloo on CPUs; (rank, world size, device)."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_device_mesh(device_type: str, shape: list[int] | None = None) -> DeviceMesh:
+    """A 1-D mesh over every rank (FSDP), or a 2-D [replicas, shard size] mesh (HSDP: parameters are
+    sharded within a group, e.g. a node's GPUs, and replicated across groups, so the all-gathers of
+    every layer stay on the fast intra-node links and only gradient all-reduces cross nodes)."""
+    if shape is None:
+        return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

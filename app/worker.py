@@ -67,10 +67,11 @@ def train_worker(loop_config: dict) -> None:
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
-    tracker = RunLogger(cfg.mlflow.tracking_uri, loop_config["mlflow_run_id"]) if worker.rank == 0 else NoTracking()
+    tracker = (RunLogger(cfg.mlflow.tracking_uri, loop_config["mlflow_run_id"], cfg.run_dir / "unsent_metrics.jsonl")
+               if worker.rank == 0 else NoTracking())
     try:
         finetune(cfg, worker, train_pass, eval_pass, tracker, RayCheckpoints(worker.rank, worker.world_size),
-                 Path(loop_config["adapter_dir"]))
+                 Path(loop_config["adapter_dir"]), loop_config.get("job_start_time"))
     finally:
         if worker.rank == 0:
             tracker.close()

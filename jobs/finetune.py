@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
         from app.launcher import run_finetune  # imports Ray: only after the config is known good
+
+        if os.environ.get("HF_TOKEN"):
+            print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)
 
         summary = run_finetune(cfg, resume=bool(args.resume))
     except UserInputError as e:

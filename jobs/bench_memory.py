@@ -1,0 +1,55 @@
+"""`python -m jobs.benchmark memory`: the planner (app/memory_plan.py) next to what a training step
+measures, for each memory option, on a random-weight model of the given shape (2 gloo workers here).
+
+Parameters and optimizer state are compared exactly (bytes of each rank's local shards); the peak is
+the worker's peak resident memory above what it held before loading (CPU: libraries excluded),
+against the plan's total of model state, working copies and activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from app.config import load_config
+from app.memory_plan import plan_memory
+from jobs.benchmark import TORCHRUN, build_random_checkpoint, last_json_line, step_flags, write_and_log
+
+OPTIONS = {  # name -> config overrides (and so bench_step flags)
+    "fsdp, 2 workers": [],
+    "no activation checkpointing": ["model.gradient_checkpointing=false"],
+    "no reshard after forward": ["fsdp.reshard_after_forward=false"],
+    "cpu offload": ["fsdp.cpu_offload=true"],
+    "hsdp [2 replicas x 1]": ["scaling.mesh=[2,1]"],
+    "1 worker": ["scaling.num_workers=1"],
+}
+
+
+def memory(args: argparse.Namespace) -> dict:
+    model_dir = Path(args.out) / f"model-{Path(args.model_config).stem}"
+    if not (model_dir / "config.json").exists():
+        build_random_checkpoint(args.model_config, model_dir)
+    base = [f"model.path={model_dir}", "model.load=sharded", "fsdp.param_dtype=float32", "data.max_seq_len=512",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "scaling.num_workers=2"]
+    rows = []
+    for name, overrides in OPTIONS.items():
+        cfg = load_config(None, [*base, *overrides] + (["train.global_batch_size=2"] if "1 worker" in name else []))
+        plan = plan_memory(cfg)
+        state = plan.device | plan.host
+        measured = last_json_line([*TORCHRUN, f"--nproc-per-node={cfg.scaling.num_workers}", "-m", "jobs.bench_step",
+                                   "--model-path", str(model_dir), "--load", "sharded", "--steps", "3",
+                                   "--warmup", "1", *step_flags(cfg)])
+        row = {"option": name,
+               "params_predicted_mb": state["parameters (sharded, stored dtype)"] / 2**20,
+               "params_measured_mb": measured["param_bytes_per_worker"] / 2**20,
+               "optimizer_predicted_mb": state["AdamW state (sharded, 2 x fp32)"] / 2**20,
+               "optimizer_measured_mb": measured["optimizer_bytes_per_worker"] / 2**20,
+               "peak_predicted_gb": (plan.device_total + sum(plan.host.values())) / 2**30,
+               "peak_measured_gb": measured["peak_memory_gb"] - measured["rss_before_load_gb"],
+               "step_seconds": measured["step_seconds_mean_steady"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"model_config": args.model_config, "rows": rows}
+    write_and_log(result, Path(args.out), None, None, name="memory")
+    return result

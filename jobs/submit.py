@@ -1,0 +1,218 @@
+"""Drive fine-tuning jobs on a Ray cluster through the Ray Jobs API.
+
+    python -m jobs.submit submit --config jobs/configs/embedded.yaml [--set k=v ...] [--follow]
+    python -m jobs.submit list | status JOB | logs JOB [--follow] | stop JOB
+    python -m jobs.submit sweep --config C --grid train.learning_rate=1e-3,3e-3 [--grid lora.r=4,8]
+
+The cluster is --address (default $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, or http://127.0.0.1:8265);
+with Ray's token authentication on, export RAY_AUTH_MODE=token (the token comes from
+$RAY_AUTH_TOKEN or ~/.ray/auth_token, as for the `ray` CLI). Every job's runtime environment is
+--runtime-env (default jobs/runtime_env.yaml) with this directory as its working directory. Configs
+are validated here, before anything is submitted. A job's submission id is its run name, which is
+also its MLflow run name and its directory under train.output_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from app.config import load_config
+from app.errors import UserInputError
+from app.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
+from app.tracking import git_commit
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def job_client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    address = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") \
+        or "http://127.0.0.1:8265"
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:  # connection refused, 401/403 without a token, ...
+        raise UserInputError(f"--address {address}: cannot reach the Ray Jobs API ({str(e).splitlines()[0]}); "
+                             "is the cluster up, and RAY_AUTH_MODE=token exported?") from None
+
+
+def runtime_env(path: str) -> dict:
+    if not Path(path).is_file():
+        raise UserInputError(f"--runtime-env {path}: no such file; the shipped one is jobs/runtime_env.yaml")
+    env = yaml.safe_load(Path(path).read_text()) or {}
+    env.setdefault("working_dir", ".")
+    return env
+
+
+def submit_run(client, config: str, overrides: list[str], env: dict, resume: str | None = None,
+               run_name: str | None = None, metadata: dict[str, str] = {}) -> str:
+    """Validate the config here, then submit one fine-tuning job; returns its submission id."""
+    if resume:
+        overrides = [*overrides, f"train.run_name={resume}"]
+    elif run_name:
+        overrides = [*overrides, f"train.run_name={run_name}"]
+    cfg = load_config(config, overrides)  # a typo fails here, not on the cluster
+    if not resume and not run_name:  # pin the generated name: the job must use the same one
+        overrides = [*overrides, f"train.run_name={cfg.train.run_name}"]
+    command = ["python", "-m", "jobs.finetune", "--config", config]
+    for item in overrides:
+        command += ["--set", item]
+    if resume:
+        command += ["--resume", resume]
+    submission_id = cfg.train.run_name if not resume else f"{resume}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    commit = git_commit()  # the uploaded working dir has no .git: the run's commit tag comes from here
+    env = env | {"env_vars": (env.get("env_vars") or {}) | ({"GIT_COMMIT": commit} if commit else {})}
+    return client.submit_job(entrypoint=shlex.join(command), submission_id=submission_id, runtime_env=env,
+                             metadata={"run_name": cfg.train.run_name, "config": config, **metadata})
+
+
+def wait_for(client, job_ids: list[str], poll_seconds: float = 2.0, quiet: bool = False) -> dict[str, str]:
+    """Poll until every job has ended; prints each status change. Returns id -> final status."""
+    seen: dict[str, str] = {}
+    while True:
+        for job_id in job_ids:
+            status = str(client.get_job_status(job_id).value)
+            if seen.get(job_id) != status and not quiet:
+                print(f"{time.strftime('%H:%M:%S')}  {job_id}: {status}", flush=True)
+            seen[job_id] = status
+        if all(s in TERMINAL for s in seen.values()):
+            return seen
+        time.sleep(poll_seconds)
+
+
+def follow_logs(client, job_id: str) -> str:
+    async def tail():
+        async for chunk in client.tail_job_logs(job_id):
+            print(chunk, end="", flush=True)
+    asyncio.run(tail())
+    return str(client.get_job_status(job_id).value)
+
+
+def stop(client, job_id: str, wait: bool) -> str:
+    if not client.stop_job(job_id):
+        return str(client.get_job_status(job_id).value)  # had already ended
+    return wait_for(client, [job_id], quiet=True)[job_id] if wait else "STOPPING"
+
+
+def list_jobs(client) -> str:
+    jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+    columns = {"job": [], "status": [], "started": [], "config": []}
+    for job in jobs:
+        columns["job"].append(job.submission_id or job.job_id)
+        columns["status"].append(str(job.status.value))
+        columns["started"].append(time.strftime("%Y-%m-%d %H:%M", time.localtime((job.start_time or 0) / 1000)))
+        columns["config"].append((job.metadata or {}).get("config", "-"))
+    return format_table(columns)
+
+
+def sweep(client, args: argparse.Namespace, env: dict) -> int:
+    """One job per grid point, grouped in MLflow under a parent run; waits, then prints the table."""
+    from mlflow.tracking import MlflowClient
+
+    grid = parse_grid(args.grid)
+    points = grid_points(grid)
+    name = args.name or f"sweep-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = load_config(args.config, args.overrides)
+    tracking_uri = _sweep_tracking_uri(args.overrides, env)
+    for i, point in enumerate(points):  # every point validated before the first job is submitted
+        load_config(args.config, [*args.overrides, *point_overrides(point), f"train.run_name={point_name(name, i, point)}"])
+    mlflow = MlflowClient(tracking_uri)
+    experiment = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(cfg.mlflow.experiment)
+    parent = mlflow.create_run(experiment_id, run_name=name, tags={"sweep": name, "sweep.role": "parent"})
+    mlflow.log_param(parent.info.run_id, "sweep.grid", yaml.safe_dump(grid, default_flow_style=True).strip())
+    job_ids = [submit_run(client, args.config, [*args.overrides, *point_overrides(point),
+                                                f"mlflow.sweep={name}", f"mlflow.parent_run_id={parent.info.run_id}"],
+                          env, run_name=point_name(name, i, point), metadata={"sweep": name})
+               for i, point in enumerate(points)]
+    print(f"sweep {name}: {len(job_ids)} jobs submitted; they queue on the cluster's resources", flush=True)
+    statuses = wait_for(client, job_ids)
+    runs = [{"run_name": r.info.run_name, "status": r.info.status, "params": r.data.params, "metrics": r.data.metrics}
+            for r in mlflow.search_runs([experiment_id], f"tags.sweep = '{name}'")
+            if r.info.run_id != parent.info.run_id]
+    table = results_table(runs, list(grid))
+    mlflow.log_table(parent.info.run_id, data=table, artifact_file="sweep/results.json")
+    failed = [j for j, s in statuses.items() if s != "SUCCEEDED"]
+    mlflow.set_terminated(parent.info.run_id, status="FAILED" if failed else "FINISHED")
+    print(format_table(table))
+    print(f"MLflow: {tracking_uri}  experiment {cfg.mlflow.experiment}, parent run {name} ({parent.info.run_id})")
+    if failed:
+        print(f"failed: {', '.join(failed)}; see `python -m jobs.submit logs JOB`", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _sweep_tracking_uri(overrides: list[str], env: dict) -> str:
+    """Where the sweep's jobs record their runs: it must be a server this client reaches too."""
+    for item in overrides:
+        if item.startswith("mlflow.tracking_uri="):
+            return item.partition("=")[2]
+    uri = (env.get("env_vars") or {}).get("MLFLOW_TRACKING_URI", "")
+    if not uri or "${" in uri:
+        raise UserInputError("sweep: needs the tracking server its jobs log to; set MLFLOW_TRACKING_URI under "
+                             "env_vars in the runtime env file, or --set mlflow.tracking_uri=URL")
+    return uri
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.submit", description=__doc__.split("\n")[1])
+    parser.add_argument("--address", help="Ray dashboard / Jobs API URL, e.g. http://127.0.0.1:8265")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/embedded.yaml")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        p.add_argument("--runtime-env", default="jobs/runtime_env.yaml")
+        return p
+
+    submit = with_config(commands.add_parser("submit", help="submit one fine-tuning job"))
+    submit.add_argument("--resume", metavar="RUN_NAME", help="continue this run from its latest checkpoint")
+    submit.add_argument("--follow", action="store_true", help="stream its logs; exit 0 only if it succeeds")
+    commands.add_parser("list", help="every job of the cluster")
+    for name, text in (("status", "a job's status"), ("logs", "a job's logs"), ("stop", "stop a job")):
+        p = commands.add_parser(name, help=text)
+        p.add_argument("job_id")
+    commands.choices["logs"].add_argument("--follow", action="store_true")
+    commands.choices["stop"].add_argument("--wait", action="store_true", help="until it has stopped")
+    sw = with_config(commands.add_parser("sweep", help="a grid of configs as separate jobs, compared in MLflow"))
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis (repeatable)")
+    sw.add_argument("--name", help="the sweep's name (MLflow parent run and tag); default sweep-CONFIG-TIME")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        env = runtime_env(args.runtime_env) if hasattr(args, "runtime_env") else {}
+        client = job_client(args.address)
+        if args.command == "submit":
+            job_id = submit_run(client, args.config, args.overrides, env, resume=args.resume)
+            print(job_id, flush=True)
+            if args.follow:
+                return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
+        elif args.command == "list":
+            print(list_jobs(client))
+        elif args.command == "status":
+            info = client.get_job_info(args.job_id)
+            print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        elif args.command == "logs":
+            print(client.get_job_logs(args.job_id), end="") if not args.follow else follow_logs(client, args.job_id)
+        elif args.command == "stop":
+            print(f"{args.job_id}: {stop(client, args.job_id, args.wait)}")
+        elif args.command == "sweep":
+            return sweep(client, args, env)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

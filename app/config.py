@@ -118,6 +118,9 @@ class FinetuneConfig(_Section):
                 f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size x scaling.num_workers = {per_step}; change one of them"
             )
+        if self.fsdp.cpu_offload and not self.scaling.use_gpu:
+            raise ValueError("fsdp.cpu_offload=true moves GPU state to host memory; with scaling.use_gpu=false "
+                             "everything is in host memory already: set fsdp.cpu_offload=false")
         mesh = self.scaling.mesh
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "

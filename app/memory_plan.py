@@ -65,12 +65,13 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
 
 def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int) -> float:
     """One micro-batch: saved layer inputs (checkpointing) or every layer's intermediates, plus the
-    logits (compute dtype, their fp32 copy in the loss, and its gradient)."""
+    logits and what the loss keeps of them: the logits (compute dtype), their shifted fp32 copy and
+    its log-softmax, and the gradients of all three."""
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
     kept = num_layers * tokens * hidden * compute + one_layer if cfg.model.gradient_checkpointing else num_layers * one_layer
-    return kept + tokens * config.vocab_size * (compute + 8)
+    return kept + tokens * config.vocab_size * (2 * compute + 16)
 
 
 def format_plan(plan: MemoryPlan, device_memory_gb: float | None) -> str:

@@ -109,9 +109,11 @@ def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eva
         optimizer.zero_grad(set_to_none=True)
 
         step_totals = torch.stack([loss_sum, _real_tokens(micro_batches, tokenizer.pad_token_id)])
-        dist.all_reduce(step_totals)  # global loss sum and token count: the step's one host sync
-        train_loss = (step_totals[0] / global_tokens).item()
-        seconds, tokens = time.perf_counter() - t0, int(step_totals[1])
+        dist.all_reduce(step_totals)  # global loss sum and non-pad token count
+        loss_total, tokens, target_tokens, grad_norm = torch.cat(  # the step's one device-to-host sync
+            [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
+        train_loss = loss_total / target_tokens
+        seconds = time.perf_counter() - t0
         if step > state.step + 1:  # the first step of an attempt pays for warm-up
             steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + seconds
             steady_data_wait += data_wait

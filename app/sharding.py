@@ -80,6 +80,6 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def full_grad_norm(norm: torch.Tensor) -> float:
-    """clip_grad_norm_ over DTensors returns a DTensor; this makes it a number."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+def full_grad_norm(norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_ over DTensors returns a DTensor; this makes it a plain (device) tensor."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

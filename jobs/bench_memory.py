@@ -2,7 +2,8 @@
 measures, for each memory option, on a random-weight model of the given shape (2 gloo workers here).
 
 Parameters and optimizer state are compared exactly (bytes of each rank's local shards); the peak is
-the worker's peak resident memory above what it held before loading (CPU: libraries excluded),
+the worker's peak private (anonymous) resident memory above what it held before loading (libraries
+and memory-mapped weight files excluded),
 against the plan's total of model state, working copies and activations.
 """
 
@@ -12,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from app.config import load_config
 from app.memory_plan import plan_memory
 from jobs.benchmark import TORCHRUN, build_random_checkpoint, last_json_line, step_flags, write_and_log
@@ -20,7 +23,7 @@ OPTIONS = {  # name -> config overrides (and so bench_step flags)
     "fsdp, 2 workers": [],
     "no activation checkpointing": ["model.gradient_checkpointing=false"],
     "no reshard after forward": ["fsdp.reshard_after_forward=false"],
-    "cpu offload": ["fsdp.cpu_offload=true"],
+    "cpu offload (GPU only)": ["fsdp.cpu_offload=true", "scaling.use_gpu=true"],
     "hsdp [2 replicas x 1]": ["scaling.mesh=[2,1]"],
     "1 worker": ["scaling.num_workers=1"],
 }
@@ -34,6 +37,11 @@ def memory(args: argparse.Namespace) -> dict:
             "train.micro_batch_size=2", "train.global_batch_size=4", "scaling.num_workers=2"]
     rows = []
     for name, overrides in OPTIONS.items():
+        if args.only and name not in args.only:
+            continue
+        if "scaling.use_gpu=true" in overrides and not torch.cuda.is_available():
+            print(f"skipped: {name} (no GPU here: on a CPU everything is in host memory already)", flush=True)
+            continue
         cfg = load_config(None, [*base, *overrides] + (["train.global_batch_size=2"] if "1 worker" in name else []))
         plan = plan_memory(cfg)
         state = plan.device | plan.host
@@ -46,7 +54,8 @@ def memory(args: argparse.Namespace) -> dict:
                "optimizer_predicted_mb": state["AdamW state (sharded, 2 x fp32)"] / 2**20,
                "optimizer_measured_mb": measured["optimizer_bytes_per_worker"] / 2**20,
                "peak_predicted_gb": (plan.device_total + sum(plan.host.values())) / 2**30,
-               "peak_measured_gb": measured["peak_memory_gb"] - measured["rss_before_load_gb"],
+               "peak_measured_gb": max(measured["peak_anon_rss_loading_gb"], measured["peak_anon_rss_training_gb"])
+               - measured["rss_before_load_gb"],
                "step_seconds": measured["step_seconds_mean_steady"]}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -8,7 +8,7 @@ box. The model is built from a config with random weights (no download) on the m
 loaded from --model-path, by the same loader and sharding as the job (app.loading, app.sharding), and
 trains LoRA with the job's loss. Prints one JSON line (rank 0): steady tokens/s per worker (warm-up
 steps excluded), time to first step, peak memory, MFU where the device's peak FLOP rate is known.
-With --steps 0 it only loads, and reports host memory before and after loading.
+With --steps 0 it only loads, and reports host memory before and while loading (max over workers).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 from types import SimpleNamespace
 
@@ -52,9 +53,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def current_rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+def anonymous_rss_gb() -> float:
+    """Private resident memory (RssAnon): without the file-backed pages of memory-mapped safetensors,
+    which are page cache that every rank on a node shares."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 2**20
+
+
+class PeakSampler:
+    """The highest anonymous RSS seen while a block runs, sampled every 5 ms by a thread."""
+
+    def __enter__(self):
+        self.peak, self._done = anonymous_rss_gb(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, anonymous_rss_gb())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, anonymous_rss_gb())
 
 
 def build(args, device: torch.device):
@@ -96,17 +118,22 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
     rank, world, device = init_torchrun_process_group()
-    rss_before_load = current_rss_gb()
-    model = build(args, device)
+    rss_before_load = anonymous_rss_gb()
+    with PeakSampler() as loading:
+        model = build(args, device)
     load_seconds = time.perf_counter() - t_start
-    result = {"world_size": world, "rss_before_load_gb": rss_before_load, "peak_rss_after_load_gb": peak_memory_gb(torch.device("cpu")),
+    result = {"world_size": world, "rss_before_load_gb": rss_before_load, "peak_anon_rss_loading_gb": loading.peak,
+              "peak_rss_after_load_gb": peak_memory_gb(torch.device("cpu")),
               "load_seconds": load_seconds,
               "param_bytes_per_worker": sum(local_region(p)[0].numel() * p.element_size() for p in model.parameters())}
     if args.steps:
-        result |= train(model, args, device, world, t_start)
-    peaks = torch.tensor([result.get("peak_memory_gb", 0.0), result["peak_rss_after_load_gb"]], device=device)
+        with PeakSampler() as training:
+            result |= train(model, args, device, world, t_start)
+        result["peak_anon_rss_training_gb"] = training.peak
+    peaks = torch.tensor([result.get("peak_memory_gb", 0.0), result["peak_rss_after_load_gb"],
+                          result["peak_anon_rss_loading_gb"]], device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    result["peak_memory_gb"], result["peak_rss_after_load_gb_max_over_workers"] = peaks.tolist()
+    result["peak_memory_gb"], result["peak_rss_after_load_gb"], result["peak_anon_rss_loading_gb"] = peaks.tolist()
     if rank == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()

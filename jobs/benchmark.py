@@ -16,6 +16,7 @@ and both to MLflow (experiment "benchmarks").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -99,14 +100,15 @@ def loading(args: argparse.Namespace) -> dict:
     if not (model_dir / "config.json").exists():
         build_random_checkpoint(args.model_config, model_dir)
     rows = []
-    for workers in args.workers:
-        for load in ("full", "sharded"):
-            r = last_json_line([*TORCHRUN, f"--nproc-per-node={workers}", "-m", "jobs.bench_step", "--model-path",
-                                str(model_dir), "--load", load, "--steps", "0", "--param-dtype", "float32"])
-            rows.append({"workers": workers, "load": load, "rss_before_load_gb": r["rss_before_load_gb"],
-                         "peak_rss_gb": r["peak_rss_after_load_gb_max_over_workers"], "load_seconds": r["load_seconds"],
-                         "param_bytes_per_worker": r["param_bytes_per_worker"]})
-            print(json.dumps(rows[-1]), flush=True)
+    for dtype, workers, load in itertools.product(args.dtypes, args.workers, ("full", "sharded")):
+        r = last_json_line([*TORCHRUN, f"--nproc-per-node={workers}", "-m", "jobs.bench_step", "--model-path",
+                            str(model_dir), "--load", load, "--steps", "0", "--dtype", dtype])
+        rows.append({"dtype": dtype, "workers": workers, "load": load,
+                     "anon_rss_before_load_gb": r["rss_before_load_gb"],
+                     "peak_anon_rss_loading_gb": r["peak_anon_rss_loading_gb"],
+                     "peak_rss_incl_mapped_files_gb": r["peak_rss_after_load_gb"],
+                     "load_seconds": r["load_seconds"], "param_bytes_per_worker": r["param_bytes_per_worker"]})
+        print(json.dumps(rows[-1]), flush=True)
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     result = {"model_config": args.model_config, "checkpoint_gb": size / 2**30, "rows": rows}
     write_and_log(result, Path(args.out), None, None, name="loading")
@@ -154,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ld = commands.add_parser("loading", help="peak host memory while loading, whole vs sharded")
     ld.add_argument("--model-config", default="jobs/configs/shapes/bench_750m.json")
     ld.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ld.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                    help="model.dtype to load as (the checkpoint is bf16: float32 makes every loader convert)")
     mem = commands.add_parser("memory", help="the planner's prediction next to what a step measures")
     mem.add_argument("--model-config", default="jobs/configs/shapes/bench_125m.json")
+    mem.add_argument("--only", nargs="+", help="run only these options (names as printed)")
     for p in (c, ld, mem):
         p.add_argument("--out", default="outputs/benchmark")
     args = parser.parse_args(argv)

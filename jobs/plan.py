@@ -30,12 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         from app.memory_plan import format_plan, plan_memory
+        from app.model import check_model_source
+
+        if not args.model_config:
+            check_model_source(cfg.model)
 
         plan = plan_memory(cfg, args.model_config)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # no config.json at model.path, or the hub unreachable
+    except (OSError, ValueError) as e:  # an unreadable config.json, or the hub unreachable
         print(f"error: model.path={cfg.model.path}: cannot read its config ({str(e).splitlines()[0]})", file=sys.stderr)
         return 2
     if args.json:

@@ -202,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             info = client.get_job_info(args.job_id)
             print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        elif args.command == "logs" and args.follow:
+            follow_logs(client, args.job_id)
         elif args.command == "logs":
-            print(client.get_job_logs(args.job_id), end="") if not args.follow else follow_logs(client, args.job_id)
+            print(client.get_job_logs(args.job_id), end="")
         elif args.command == "stop":
             print(f"{args.job_id}: {stop(client, args.job_id, args.wait)}")
         elif args.command == "sweep":

@@ -16,7 +16,8 @@ def test_yaml_and_dotted_overrides_are_typed_and_validated():
     assert cfg.grad_accum_steps == 1
 
 
-def test_relative_paths_become_absolute_and_tracking_defaults_to_a_local_store(tmp_path):
+def test_relative_paths_become_absolute_and_tracking_defaults_to_a_local_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(EMBEDDED_CONFIG, [f"train.output_dir={tmp_path}"])
     assert Path(cfg.model.path).is_absolute() and Path(cfg.data.train_path).is_absolute()
     assert cfg.mlflow.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
@@ -43,6 +44,8 @@ def test_gradient_accumulation_keeps_the_global_batch():
     ("scaling.num_workers=0", "scaling.num_workers"),
     ("train.global_batch_size=30", "must be a multiple of train.micro_batch_size x scaling.num_workers"),
     ("train.max_steps", "expected key=value"),
+    ("fsdp.cpu_offload=true", "fsdp.cpu_offload=true moves GPU state to host memory"),
+    ("scaling.mesh=[2,2]", "scaling.mesh=[2, 2] must be [replicas, shard size]"),
 ])
 def test_bad_values_get_one_line_naming_the_key(override, message):
     with pytest.raises(UserInputError) as e:
@@ -66,3 +69,9 @@ def test_missing_config_file():
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * cfg.scaling.num_workers) == 0
+
+
+def test_the_tracking_server_comes_from_the_environment_unless_the_config_names_one(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")  # what jobs/runtime_env.yaml sets
+    assert load_config(EMBEDDED_CONFIG).mlflow.tracking_uri == "http://mlflow:5000"
+    assert load_config(EMBEDDED_CONFIG, ["mlflow.tracking_uri=http://other:5000"]).mlflow.tracking_uri == "http://other:5000"

@@ -90,15 +90,17 @@ def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, t
 
 
 def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
-    """The job's driver (its command line names the run) and any Ray Train actor of the stack."""
+    """The job's driver (its command line names the run), and any Ray Train actor process of the stack:
+    a descendant of the stack's raylet (the test session's own Ray cluster is not looked at)."""
     left = []
-    for proc in psutil.process_iter(["cmdline", "name"]):
+    for proc in psutil.process_iter(["cmdline"]):
         try:
             command = " ".join(proc.info["cmdline"] or [])
             if run_name in command and "jobs.finetune" in command:
                 left.append(command)
-            elif any(n in command for n in ("RayTrainWorker", "TrainController")) and proc.pid != os.getpid():
-                left.append(command)
+            elif "raylet" in command and ray_tmp in command:
+                left += [" ".join(child.cmdline()) for child in proc.children(recursive=True)
+                         if any(name in " ".join(child.cmdline()) for name in ("RayTrainWorker", "TrainController"))]
         except psutil.NoSuchProcess:
             pass
     return left
@@ -113,14 +115,16 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
     client = MlflowClient(stack["mlflow"])
     deadline = time.time() + 300
     while time.time() < deadline:  # until it has trained past its first checkpoint
-        runs = client.search_runs(client.get_experiment_by_name("embedded-demo").experiment_id,
-                                  f"attributes.run_name = '{run_name}'")
+        experiment = client.get_experiment_by_name("embedded-demo")  # created by the job's driver
+        runs = client.search_runs(experiment.experiment_id, f"attributes.run_name = '{run_name}'") if experiment else []
         if runs and len(client.get_metric_history(runs[0].info.run_id, "checkpoint_save_seconds")) >= 1:
             break
         time.sleep(2)
     else:
         pytest.fail(submit_cli(stack, "logs", run_name).stdout[-3000:])
 
+    running = _training_processes(run_name, stack["raytmp"])
+    assert any("RayTrainWorker" in p for p in running) and any("jobs.finetune" in p for p in running)
     stopped = submit_cli(stack, "stop", run_name, "--wait")
     assert stopped.stdout.strip() == f"{run_name}: STOPPED", stopped.stdout + stopped.stderr
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"

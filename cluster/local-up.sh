@@ -17,6 +17,8 @@ mkdir -p "$STACK_DIR"
 echo "$RAY_TMP" >"$STACK_DIR/ray-temp-dir"
 
 export RAY_AUTH_MODE=token
+# Jobs run `python -m jobs.finetune`: the Ray processes (and so every job) find this Python first.
+export PATH="$BIN:$PATH"
 # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds: time to end the MLflow run as KILLED.
 export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30}
 "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" --temp-dir="$RAY_TMP" \

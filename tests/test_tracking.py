@@ -37,6 +37,7 @@ def mlflow_server(tmp_path_factory):
             break
         except OSError:
             time.sleep(1)
+    MlflowClient(uri).create_experiment("outage")  # the first store request is slow: made here, with default timeouts
     yield uri, psutil.Process(server.pid)
     for proc in [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]:
         proc.send_signal(signal.SIGCONT)
@@ -48,26 +49,25 @@ def _pause(server: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
 
 
-@pytest.fixture
-def fail_fast_http(monkeypatch):
+def fail_fast_http(monkeypatch) -> None:
     """MLflow's own HTTP retries would hide the outage for minutes; the logger's retries are under test."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 
 def _new_run(uri: str) -> str:
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("outage") or client.get_experiment(client.create_experiment("outage"))
-    return client.create_run(experiment.experiment_id).info.run_id
+    return client.create_run(client.get_experiment_by_name("outage").experiment_id).info.run_id
 
 
 def _steps(uri: str, run_id: str) -> list[int]:
     return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, "train_loss"))
 
 
-def test_metrics_logged_while_the_server_hangs_arrive_once_it_answers_again(mlflow_server, fail_fast_http, tmp_path):
+def test_metrics_logged_while_the_server_hangs_arrive_once_it_answers_again(mlflow_server, monkeypatch, tmp_path):
     uri, server = mlflow_server
     run_id = _new_run(uri)
+    fail_fast_http(monkeypatch)
     logger = tracking.RunLogger(uri, run_id, tmp_path / "unsent.jsonl", retry_seconds=0.5)
     for step in (1, 2, 3):
         logger.log_metrics({"train_loss": 1.0 / step}, step)
@@ -87,9 +87,10 @@ def test_metrics_logged_while_the_server_hangs_arrive_once_it_answers_again(mlfl
     assert not (tmp_path / "unsent.jsonl").exists()
 
 
-def test_metrics_the_server_never_takes_are_kept_on_disk(mlflow_server, fail_fast_http, tmp_path):
+def test_metrics_the_server_never_takes_are_kept_on_disk(mlflow_server, monkeypatch, tmp_path):
     uri, server = mlflow_server
     run_id = _new_run(uri)
+    fail_fast_http(monkeypatch)
     logger = tracking.RunLogger(uri, run_id, tmp_path / "unsent.jsonl", retry_seconds=0.5)
     _pause(server, signal.SIGSTOP)
     try:

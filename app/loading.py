@@ -57,13 +57,19 @@ def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | Non
 
 def materialize_sharded(model: nn.Module, model_cfg, seed: int, device: torch.device) -> None:
     """After fully_shard: allocate each rank's shards on `device` and fill them."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)  # every parameter gets (uninitialised) local storage
+    allocate_local_shards(model, device)
     with torch.no_grad():
-        for name, buffer in buffers.items():
-            model.get_buffer(name).copy_(buffer)
         load_base_shards(model, weight_files(model_cfg))
         init_lora_shards(model, seed)
+
+
+@torch.no_grad()
+def allocate_local_shards(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter (uninitialised) local storage on `device`, keeping the buffers' values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, buffer in buffers.items():
+        model.get_buffer(name).copy_(buffer)
 
 
 def weight_files(model_cfg) -> dict[str, Path]:

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from app.loading import build_meta_lora_model, build_sharded_lora_model, local_region
+from app.loading import allocate_local_shards, build_meta_lora_model, build_sharded_lora_model, local_region
 from app.loss import scaled_micro_batch_loss
 from app.progress import peak_memory_gb
 from app.sharding import build_device_mesh, init_torchrun_process_group, shard_model, trainable_parameters
@@ -97,10 +97,7 @@ def build(args, device: torch.device):
 @torch.no_grad()
 def init_random(model, device: torch.device) -> None:
     """Random weights for a shape-only benchmark: the numbers do not matter, the memory and time do."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
-    for name, buffer in buffers.items():
-        model.get_buffer(name).copy_(buffer)
+    allocate_local_shards(model, device)
     for name, param in model.named_parameters():
         local, _ = local_region(param)
         local.zero_() if "lora_B" in name else local.normal_(0.0, 0.02)

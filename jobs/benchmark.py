@@ -49,12 +49,12 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
 
 def compare(args: argparse.Namespace) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    cfg = load_config(args.config, [*args.overrides, f"train.max_steps={args.steps}",
-                                    f"train.output_dir={args.out}/runs", f"train.run_name=bench-{stamp}"])
+    overrides = [*args.overrides, f"train.max_steps={args.steps}", f"train.output_dir={args.out}/runs",
+                 f"train.run_name=bench-{stamp}"]
+    cfg = load_config(args.config, overrides)
     workers = cfg.scaling.num_workers
-    job = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", args.config, *sum(
-        (["--set", o] for o in [*args.overrides, f"train.max_steps={args.steps}", f"train.output_dir={args.out}/runs",
-                                f"train.run_name=bench-{stamp}"]), [])])
+    job = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", args.config,
+                          *(arg for item in overrides for arg in ("--set", item))])
     baseline = last_json_line([*TORCHRUN, f"--nproc-per-node={workers}", "-m", "jobs.bench_baseline",
                                "--model-path", cfg.model.path, "--data", cfg.data.train_path,
                                "--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),

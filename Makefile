@@ -1,20 +1,21 @@
 # Two commands for a fresh machine:  make demo   (set up, build the embedded model, fine-tune)
-#                                    make test   (set up, run the test suite)
+#                                    make test   (set up, run the whole test suite: what CI runs)
+# While developing:                  make test-fast   (the unit tests: no Ray cluster, a few minutes)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= jobs/configs/embedded.yaml
 EMBEDDED := .cache/embedded/model/config.json
 
-.PHONY: setup embedded demo test clean
+.PHONY: setup embedded demo test test-fast lint docs clean clean-runs
 
 setup: $(BIN)/.installed
 
+# torch is pinned in pyproject.toml only; PIP_ARGS can add an index (e.g. PyTorch's CPU wheels)
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' $(PIP_ARGS)
 	touch $@
 
 $(EMBEDDED): | setup
@@ -24,10 +25,26 @@ embedded: $(EMBEDDED)
 
 demo: setup embedded
 	$(BIN)/python -m jobs.finetune --config $(CONFIG) $(ARGS)
-	@echo "Browse the run:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db  (then open http://127.0.0.1:5000)"
+	@echo "Browse the run:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db  (then open http://127.0.0.1:5000)" >&2
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+test-fast: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m app.config_reference --check
+
+docs: setup
+	$(BIN)/python -m app.config_reference
+
+# Caches only; runs (checkpoints, adapters, the MLflow store under outputs/) are kept.
 clean:
-	rm -rf outputs .pytest_cache
+	rm -rf .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+
+# Deletes every run under outputs/ (checkpoints, adapters, the local MLflow store): asked for by name.
+clean-runs:
+	rm -rf outputs

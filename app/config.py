@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import UserInputError
+from app.layout import OutputDir, RunDir
 
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -25,38 +26,56 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    path: str = Field(".cache/embedded/model", description="Hugging Face hub id or local model directory")
+    """The base model: where it comes from, the dtype its frozen weights are stored in, how workers load it."""
+
+    path: str = Field(".cache/embedded/model", description="Hugging Face hub id or local model directory "
+                      "(safetensors weights only)")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
-    trust_remote_code: bool = False
-    dtype: DType = Field("bfloat16", description="dtype of the frozen base weights")
-    gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing")
+    trust_remote_code: bool = Field(False, description="run the model repository's own Python code; off unless "
+                                    "you have reviewed it")
+    dtype: DType = Field("bfloat16", description="dtype the frozen base weights are stored in")
+    gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing: recompute "
+                                         "each layer in backward instead of keeping its activations")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
                                              "reads only its shard (host memory per worker ~ 1/N of the model)")
 
 
 class LoraSection(_Section):
-    r: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The LoRA adapter: the only weights that train (fp32 master weights)."""
+
+    r: int = Field(16, gt=0, description="LoRA rank")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the LoRA input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear")
 
 
 class FsdpSection(_Section):
+    """FSDP2 sharding: every decoder layer, then the root, is a `fully_shard` unit with this policy."""
+
     param_dtype: DType = Field("bfloat16", description="dtype parameters are all-gathered and computed in")
     reduce_dtype: DType = Field("float32", description="dtype gradients are reduce-scattered in")
-    reshard_after_forward: bool = True
-    cpu_offload: bool = Field(False, description="keep sharded params, grads and optimizer state on the CPU")
+    reshard_after_forward: bool = Field(True, description="free each layer's gathered weights after forward "
+                                        "(less memory, one more all-gather in backward)")
+    cpu_offload: bool = Field(False, description="keep sharded params, grads and optimizer state in host memory "
+                              "(GPUs only)")
 
 
 class DataSection(_Section):
-    train_path: str = Field(".cache/embedded/data/train.jsonl", description="file, directory, URI or hub id")
-    eval_path: str | None = Field(None, description="held-out data; None splits eval_fraction off the train set")
-    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    """Training and eval data: where it is, its record format, and how Ray Data streams it."""
+
+    train_path: str = Field(".cache/embedded/data/train.jsonl", description="JSONL/Parquet file or directory, "
+                            "s3:// or gs:// URI, datasets save_to_disk directory, or hub dataset id")
+    eval_path: str | None = Field(None, description="held-out data; None holds out data.eval_fraction of the "
+                                  "train set")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of the train set held out when "
+                                 "there is no data.eval_path")
     max_eval_rows: int = Field(512, gt=0, description="cap on the eval rows scored at each evaluation")
-    format: Literal["auto", "chat", "instruction", "prompt_completion"] = "auto"
+    format: Literal["auto", "chat", "instruction", "prompt_completion"] = Field(
+        "auto", description="record format; auto detects it per record")
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
-    max_seq_len: int = Field(512, gt=1)
+    max_seq_len: int = Field(512, gt=1, description="rows are truncated and right-padded to this many tokens")
     shuffle_buffer_rows: int = Field(256, ge=0, description="local shuffle buffer per worker; 0 disables")
     tokenizer_actors: int = Field(2, gt=0, description="most actors tokenizing in parallel (autoscaled from 1)")
     cache_tokenized: bool = Field(True, description="tokenize the train set once and keep the rows in Ray's "
@@ -64,39 +83,48 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
+    """The optimisation, its schedule, and what the run records and keeps."""
+
     max_steps: int = Field(100, gt=0, description="optimizer steps; every rank runs exactly this many")
     global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers")
-    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass on one worker")
-    learning_rate: float = Field(2e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(10, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    seed: int = 0
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass on one worker; gradient "
+                                  "accumulation fills the rest of the global batch")
+    learning_rate: float = Field(2e-4, gt=0.0, description="peak AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping norm")
+    seed: int = Field(0, description="seeds the LoRA initialisation, the eval split and shuffling")
     log_every: int = Field(1, gt=0, description="steps between MLflow metric batches and progress lines")
     eval_every: int = Field(50, gt=0, description="steps between evaluations (and one at the end)")
     checkpoint_every: int = Field(50, gt=0, description="steps between sharded checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="how many of the latest checkpoints to keep")
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")
-    output_dir: str = Field("outputs", description="run directories (adapter, Ray storage) go under here")
-    run_name: str | None = Field(None, description="defaults to the config file's name and the start time")
+    output_dir: str = Field("outputs", description="run directories (adapter, checkpoints) and the local MLflow "
+                            "store go under here")
+    run_name: str | None = Field(None, description="the run directory, MLflow run and job name; defaults to "
+                                 "the config file's name and the start time")
     sample_prompts: int = Field(4, ge=0, description="eval prompts whose greedy generations are logged as an "
                                                      "MLflow table at the end")
-    sample_max_new_tokens: int = Field(32, gt=0)
+    sample_max_new_tokens: int = Field(32, gt=0, description="tokens generated per sample prompt")
 
 
 class ScalingSection(_Section):
-    num_workers: int = Field(2, gt=0)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0.0)
+    """How many workers Ray Train starts, on which devices, and the device mesh."""
+
+    num_workers: int = Field(2, gt=0, description="training workers: one per GPU, or per CPU slot with gloo")
+    use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false: CPU workers, gloo")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs Ray reserves for each worker")
     mesh: list[int] | None = Field(None, description="[replicas, shard size] for HSDP: shard within groups of "
                                    "`shard size` workers (a node), replicate across groups; None: shard over all")
 
 
 class MlflowSection(_Section):
+    """Where the run is recorded."""
+
     tracking_uri: str | None = Field(None, description="None: $MLFLOW_TRACKING_URI, else a local sqlite store "
                                                       "under train.output_dir")
-    experiment: str = "lora-finetune"
+    experiment: str = Field("lora-finetune", description="the MLflow experiment runs are recorded in")
     sweep: str | None = Field(None, description="the sweep this run belongs to (a tag the UI groups by)")
     parent_run_id: str | None = Field(None, description="nest this run under that run in the UI (a sweep's parent)")
 
@@ -132,8 +160,12 @@ class FinetuneConfig(_Section):
         return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.train.output_dir) / str(self.train.run_name)
+    def output(self) -> OutputDir:
+        return OutputDir(Path(self.train.output_dir))
+
+    @property
+    def run_dir(self) -> RunDir:
+        return self.output.run(str(self.train.run_name))
 
     def to_yaml(self) -> str:
         """The resolved config, loadable again with `--config`."""
@@ -221,8 +253,7 @@ def _absolute_if_local(path: str | None) -> str | None:
 
 def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     out_dir = Path(cfg.train.output_dir).expanduser().resolve()
-    tracking_uri = (cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                    or f"sqlite:///{out_dir / 'mlflow.db'}")
+    tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": _absolute_if_local(cfg.model.path)}),
         "data": cfg.data.model_copy(update={"train_path": _absolute_if_local(cfg.data.train_path),
@@ -233,6 +264,6 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     })
 
 
-def config_from_dict(tree: dict[str, Any]) -> FinetuneConfig:
-    """Rebuild a config that was already validated and resolved (what workers receive)."""
-    return FinetuneConfig.model_validate(tree)
+def resolve_tracking_uri(configured: str | None, output: OutputDir) -> str:
+    """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the local store under the output directory."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output.mlflow_store}"

@@ -6,26 +6,24 @@ second, not a cluster start.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
+import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from app import tracking
+from app import console, tracking
 from app.config import FinetuneConfig
 from app.data import build_datasets
 from app.datasource import DataSource, check_source, resolve_source
 from app.errors import UserInputError
 from app.model import check_lora_targets, check_model_source, load_tokenizer
-from app.worker import FAULT_ENV, train_worker
-
-
-RUN_RECORD = "run.json"  # in the run directory: which MLflow run a resumed job continues
+from app.worker import FAULT_ENV, WorkerLaunch, train_worker
 
 
 @dataclass(frozen=True)
@@ -53,24 +51,21 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
 
 
-def check_run_dir(cfg: FinetuneConfig, resume: bool) -> str | None:
-    """A new run must not reuse a run directory; a resumed one must find its own. Returns the MLflow
-    run id to continue, if resuming."""
-    record = cfg.run_dir / RUN_RECORD
+def mlflow_run_to_resume(cfg: FinetuneConfig, resume: bool) -> str | None:
+    """The MLflow run id a resumed job continues (None for a new run), after checking the run directory:
+    a new run must not reuse one, a resumed run must find its own, unfinished."""
+    run_dir = cfg.run_dir
     if not resume:
-        if cfg.run_dir.exists():
-            raise UserInputError(f"train.run_name={cfg.train.run_name}: {cfg.run_dir} holds an earlier run; "
+        if run_dir.root.exists():
+            raise UserInputError(f"train.run_name={cfg.train.run_name}: {run_dir.root} holds an earlier run; "
                                  "pass --resume to continue it, or choose another train.run_name")
         return None
-    if not record.exists():
-        raise UserInputError(f"--resume: no run to resume at {cfg.run_dir}; check train.run_name and train.output_dir")
-    if adapter_dir(cfg).exists():
-        raise UserInputError(f"--resume: run {cfg.train.run_name} already finished ({adapter_dir(cfg)} exists)")
-    return json.loads(record.read_text())["mlflow_run_id"]
-
-
-def adapter_dir(cfg: FinetuneConfig) -> Path:
-    return cfg.run_dir / "adapter"
+    if not run_dir.record.exists():
+        raise UserInputError(f"--resume: no run to resume at {run_dir.root}; check train.run_name and "
+                             "train.output_dir")
+    if run_dir.adapter.exists():
+        raise UserInputError(f"--resume: run {cfg.train.run_name} already finished ({run_dir.adapter} exists)")
+    return run_dir.recorded_mlflow_run_id()
 
 
 def in_ray_job() -> bool:
@@ -78,18 +73,21 @@ def in_ray_job() -> bool:
     return bool(os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
 
 
-def init_ray(cfg: FinetuneConfig) -> None:
-    """Join the running cluster, or start an embedded one sized to this machine.
+def init_ray(verbose: bool = False) -> None:
+    """Join the running cluster, or start a local, single-process-tree one sized to this machine.
 
-    The embedded cluster declares two logical CPUs more than the cores it runs on: the training
+    The local cluster declares two logical CPUs more than the cores it runs on: the training
     workers hold one each, and Ray Data's read and tokenize tasks need room beside them.
     """
     if ray.is_initialized():
         return
+    level = console.ray_logging_level(verbose)
     if in_ray_job():
-        ray.init()
+        ray.init(logging_level=level)
     else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level)
+    if not verbose:
+        console.filter_worker_output()
 
 
 def check_placement(cfg: FinetuneConfig) -> None:
@@ -120,28 +118,29 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
     }
 
 
-def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_start_time: float) -> TorchTrainer:
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_start_time: float,
+                  verbose: bool = False) -> TorchTrainer:
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
     train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, inputs.tokenizer, cfg.model, cfg.data,
                                        cfg.train.seed)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
+    fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
     return TorchTrainer(
-        train_worker,
-        train_loop_config={"config": cfg.model_dump(), "mlflow_run_id": run_id,
-                           "adapter_dir": str(adapter_dir(cfg)), "job_start_time": job_start_time},
+        functools.partial(train_worker, WorkerLaunch(cfg, run_id, job_start_time)),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
             name=cfg.train.run_name, storage_path=cfg.train.output_dir,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            worker_runtime_env={"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}} if FAULT_ENV in os.environ else None),
+            worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
         datasets={"train": train_ds, "eval": eval_ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
 
 
-def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
+def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False) -> dict:
     """Check, launch, train, record; returns the one-line JSON summary as a dict.
 
     With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
@@ -149,20 +148,19 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
     """
     t0, job_start_time = time.perf_counter(), time.time()
     inputs = check_inputs(cfg)
-    run_id = check_run_dir(cfg, resume)
-    init_ray(cfg)
+    run_id = mlflow_run_to_resume(cfg, resume)
+    init_ray(verbose)
     check_placement(cfg)
     if run_id is None:
         run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
                                                         "data.eval_rows": inputs.eval_rows},
                                     {"train": inputs.train, "eval": inputs.eval})
-        cfg.run_dir.mkdir(parents=True)
-        (cfg.run_dir / RUN_RECORD).write_text(json.dumps({"mlflow_run_id": run_id}))
+        cfg.run_dir.write_record(run_id)
     else:
         tracking.reopen_run(cfg.mlflow.tracking_uri, run_id)
     status = "FAILED"
     try:
-        build_trainer(cfg, inputs, run_id, job_start_time).fit()
+        build_trainer(cfg, inputs, run_id, job_start_time, verbose).fit()
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
         status = "KILLED"
@@ -175,7 +173,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False) -> dict:
         "tracking_uri": cfg.mlflow.tracking_uri,
         "experiment": cfg.mlflow.experiment,
         "run_name": cfg.train.run_name,
-        "adapter_path": str(adapter_dir(cfg)),
+        "adapter_path": str(cfg.run_dir.adapter),
         "steps": int(metrics["steps"]),
         "initial_eval_loss": metrics["initial_eval_loss"],
         "final_train_loss": metrics["final_train_loss"],

@@ -70,7 +70,10 @@ def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int)
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
-    kept = num_layers * tokens * hidden * compute + one_layer if cfg.model.gradient_checkpointing else num_layers * one_layer
+    if cfg.model.gradient_checkpointing:
+        kept = num_layers * tokens * hidden * compute + one_layer
+    else:
+        kept = num_layers * one_layer
     return kept + tokens * config.vocab_size * (2 * compute + 16)
 
 

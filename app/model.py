@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from app.errors import UserInputError
 
-if TYPE_CHECKING:  # importable without pydantic: jobs/bench_step.py runs on a bare GPU box
+if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a bare GPU box
     from app.config import LoraSection, ModelSection
 
 
@@ -98,7 +97,7 @@ def apply_lora(base, lora: LoraSection, seed: int):
 
 def enable_activation_checkpointing(model) -> None:
     """Non-reentrant checkpointing: works with a frozen base without enable_input_require_grads."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
 

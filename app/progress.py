@@ -34,3 +34,26 @@ class Progress:
         print(f"step {step}/{self.total} | loss {m['train_loss']:.4f}{extra} | lr {m['learning_rate']:.2e} | "
               f"grad_norm {m['grad_norm']:.3f} | {m['tokens_per_second']:,.0f} tok/s | "
               f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)
+
+
+class ThroughputMeter:
+    """Steady-state figures of an attempt: its first step (warm-up, compilation, first gathers) is left out."""
+
+    def __init__(self):
+        self.steps, self.tokens, self.seconds, self.data_wait = 0, 0.0, 0.0, 0.0
+        self._first = True
+
+    def add(self, tokens: float, seconds: float, data_wait: float) -> None:
+        if self._first:
+            self._first = False
+            return
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+        self.data_wait += data_wait
+
+    def summary(self) -> dict[str, float]:
+        nan = float("nan")
+        return {"tokens_per_second_steady": self.tokens / self.seconds if self.seconds else nan,
+                "data_wait_fraction": self.data_wait / self.seconds if self.seconds else nan,
+                "step_seconds_mean_steady": self.seconds / self.steps if self.steps else nan}

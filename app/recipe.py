@@ -1,16 +1,19 @@
-"""The LoRA + FSDP2 fine-tuning recipe that every worker runs, top to bottom.
+"""The LoRA + FSDP2 fine-tuning recipe that every worker runs, in four named steps:
 
-Plain torch: the process group must exist, and batches arrive as iterables of
-{"input_ids", "labels"} tensors. Ray (app/worker.py) provides both on a cluster, plus a checkpoint
-store; tests provide them with torch.multiprocessing and lists.
+    setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
+    train_step()  one optimizer step: micro-batches -> loss over the global batch's targets -> clip -> step
+    evaluate()    mean eval loss per target token, all ranks together
+    finish()      sample generations, the adapter gathered from every shard, the run's summary
+
+Plain torch: the process group must exist, and batches arrive as iterables of {"input_ids", "labels"}
+tensors. Ray (app/worker.py) provides both on a cluster, plus a checkpoint store; the unit tests
+provide them with torch.multiprocessing and lists (tests/unit/test_recipe.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -20,20 +23,15 @@ from transformers import get_scheduler
 
 from app.checkpoint import TrainerState, gather_trainable_state, load_training_state, save_adapter, save_training_state
 from app.config import FinetuneConfig
+from app.evaluation import eval_metrics, evaluate_loss
 from app.generation import sample_generations
-from app.loss import global_target_tokens, scaled_micro_batch_loss, summed_token_loss, target_token_count
 from app.loading import build_sharded_lora_model
+from app.loss import global_target_tokens, scaled_micro_batch_loss
 from app.model import load_tokenizer
-from app.progress import Progress, peak_memory_gb
+from app.progress import Progress, ThroughputMeter, peak_memory_gb
+from app.ranks import RankContext, max_over_ranks
 from app.sharding import build_device_mesh, full_grad_norm, trainable_parameters
-from app.stream import PassOverShard, ShardStream, to_device
-
-
-@dataclass
-class Worker:
-    rank: int
-    world_size: int
-    device: torch.device
+from app.stream import PassOverShard, ShardStream
 
 
 class Tracker(Protocol):
@@ -59,141 +57,148 @@ class CheckpointStore(Protocol):
     def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
 
 
-def finetune(cfg: FinetuneConfig, worker: Worker, train_pass: PassOverShard, eval_pass: Callable[[], Iterable],
-             tracker: Tracker = NoTracking(), checkpoints: CheckpointStore | None = None,
-             adapter_dir: Path | None = None, job_start_time: float | None = None) -> dict[str, float]:
-    """Train until `train.max_steps` optimizer steps are done, the same on every rank.
+class FinetuneRecipe:
+    """Train until `train.max_steps` optimizer steps are done, the same number on every rank.
 
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
     """
-    t_start = time.perf_counter()
-    job_start_time = job_start_time or time.time()
-    torch.manual_seed(cfg.train.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh(worker.device.type, cfg.scaling.mesh),
-                                     cfg.train.seed, worker.device)
-    params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
-    scheduler = get_scheduler(cfg.train.lr_schedule, optimizer, num_warmup_steps=cfg.train.warmup_steps,
-                              num_training_steps=cfg.train.max_steps)
 
-    state = checkpoints.restore(lambda d: load_training_state(d, model, optimizer)) if checkpoints else None
-    if state is None:
-        eval_loss = evaluate(model, eval_pass, worker)
-        state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={}, initial_eval_loss=eval_loss)
-        _log(tracker, _eval_metrics(eval_loss), step=0)
-    else:
-        scheduler.load_state_dict(state.scheduler)
-        eval_loss = float("nan")
-        tracker.log_metrics({"resumed_from_step": state.step}, step=state.step)
-    batches = ShardStream(train_pass, worker.device, state.epoch, state.rows_into_epoch // worker.world_size)
-    progress = Progress(state.step + 1, cfg.train.max_steps, enabled=worker.rank == 0)
-    steady_tokens, steady_seconds, steady_data_wait = 0, 0.0, 0.0
-    train_loss = float("nan")
-    model.train()
-    for step in range(state.step + 1, cfg.train.max_steps + 1):
-        t0 = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
-        data_wait = time.perf_counter() - t0  # the time this step waited on the data pipeline
+    def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
+                 eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
+                 checkpoints: CheckpointStore | None = None, adapter_dir: Path | None = None,
+                 job_start_time: float | None = None):
+        self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
+        self.tracker = tracker or NoTracking()
+        self.checkpoints, self.adapter_dir = checkpoints, adapter_dir
+        self.job_start_time = job_start_time or time.time()
+        self.started = time.perf_counter()
+        self.meter = ThroughputMeter()
+
+    def setup(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        torch.manual_seed(cfg.train.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
+                                              build_device_mesh(ctx.device.type, cfg.scaling.mesh),
+                                              cfg.train.seed, ctx.device)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
+                                           weight_decay=cfg.train.weight_decay)
+        self.scheduler = get_scheduler(cfg.train.lr_schedule, self.optimizer,
+                                       num_warmup_steps=cfg.train.warmup_steps,
+                                       num_training_steps=cfg.train.max_steps)
+        restored = (self.checkpoints.restore(lambda d: load_training_state(d, self.model, self.optimizer))
+                    if self.checkpoints else None)
+        if restored is None:
+            self.eval_loss = self.evaluate()
+            self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
+                                      initial_eval_loss=self.eval_loss)
+            self._log(eval_metrics(self.eval_loss), step=0)
+        else:
+            self.state = restored
+            self.scheduler.load_state_dict(restored.scheduler)
+            self.eval_loss = None  # nothing evaluated in this attempt yet
+            self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step)
+        self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
+                                   self.state.rows_into_epoch // ctx.world_size)
+        self.train_loss = float("nan")
+
+    def train(self) -> dict[str, float]:
+        """setup, then the loop, then finish: what each worker runs."""
+        self.setup()
+        first, last = self.state.step + 1, self.cfg.train.max_steps
+        progress = Progress(first, last, enabled=self.ctx.is_main)
+        self.model.train()
+        for step in range(first, last + 1):
+            metrics = self.train_step()
+            if step == first:
+                metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
+            if step % self.cfg.train.eval_every == 0 or step == last:
+                self.eval_loss = self.evaluate()
+                metrics |= eval_metrics(self.eval_loss)
+            if step % self.cfg.train.log_every == 0 or "eval_loss" in metrics or step == first:
+                self._log(metrics, step)
+                progress.line(step, metrics)
+            if self.checkpoints and (step % self.cfg.train.checkpoint_every == 0 or step == last):
+                self.save_checkpoint(step)
+        return self.finish()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
+
+        The loss is the mean over every target token of the global batch (app/loss.py), so any worker
+        count and accumulation split takes the same step. Gradients are reduce-scattered once, after
+        the last micro-batch.
+        """
+        ctx, t0 = self.ctx, time.perf_counter()
+        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps)]
+        data_wait = time.perf_counter() - t0
         global_tokens = global_target_tokens(micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=worker.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for i, batch in enumerate(micro_batches):
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
-            loss, token_loss = scaled_micro_batch_loss(model, batch, global_tokens, worker.world_size)
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss, token_loss = scaled_micro_batch_loss(self.model, batch, global_tokens, ctx.world_size)
             loss.backward()
             loss_sum += token_loss
-        grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
+        learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
-        step_totals = torch.stack([loss_sum, _real_tokens(micro_batches, tokenizer.pad_token_id)])
+        step_totals = torch.stack([loss_sum, _real_tokens(micro_batches, self.tokenizer.pad_token_id)])
         dist.all_reduce(step_totals)  # global loss sum and non-pad token count
         loss_total, tokens, target_tokens, grad_norm = torch.cat(  # the step's one device-to-host sync
             [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
-        train_loss = loss_total / target_tokens
+        self.train_loss = loss_total / target_tokens
         seconds = time.perf_counter() - t0
-        if step > state.step + 1:  # the first step of an attempt pays for warm-up
-            steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + seconds
-            steady_data_wait += data_wait
-        metrics = {"train_loss": train_loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(worker.device),
-                   "data_wait_seconds": data_wait}
-        if step == state.step + 1:
-            metrics["time_to_first_step_seconds"] = time.time() - job_start_time
-        if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
-            eval_loss = evaluate(model, eval_pass, worker)
-            metrics |= _eval_metrics(eval_loss)
-        if step % cfg.train.log_every == 0 or "eval_loss" in metrics or step == state.step + 1:
-            _log(tracker, metrics, step)
-            progress.line(step, metrics)
-        if checkpoints and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.max_steps):
-            position = TrainerState(step, batches.epoch, batches.rows_into_epoch * worker.world_size,
-                                    scheduler.state_dict(), state.initial_eval_loss)
-            t_save = time.perf_counter()
-            checkpoints.save(lambda d: save_training_state(d, model, optimizer, position),
-                             {"step": step, "train_loss": train_loss})
-            _log(tracker, {"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
+        self.meter.add(tokens, seconds, data_wait)
+        return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
+                "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
+                "data_wait_seconds": data_wait}
 
-    if math.isnan(eval_loss):  # resumed from the final checkpoint: nothing trained in this attempt
-        eval_loss = evaluate(model, eval_pass, worker)
-    if cfg.train.sample_prompts:  # every rank decodes in lockstep; rank 0 logs the table
-        tracker.log_table(sample_generations(model, eval_pass(), tokenizer, cfg.train.sample_prompts,
-                                             cfg.train.sample_max_new_tokens, worker.device),
-                          "eval/sample_generations.json")
-    adapter_state = gather_trainable_state(model)  # collective: every rank
-    if worker.rank == 0 and adapter_dir is not None:
-        save_adapter(model, adapter_state, adapter_dir, tokenizer, cfg.to_yaml())
-        tracker.log_artifacts(adapter_dir, "adapter")
-    summary = {"steps": cfg.train.max_steps, "final_train_loss": train_loss, "final_eval_loss": eval_loss,
-               "initial_eval_loss": state.initial_eval_loss,
-               "tokens_per_second_steady": steady_tokens / steady_seconds if steady_seconds else float("nan"),
-               "data_wait_fraction": steady_data_wait / steady_seconds if steady_seconds else float("nan"),
-               "step_seconds_mean_steady": steady_seconds / max(1, cfg.train.max_steps - state.step - 1),
-               "peak_memory_gb_max_over_workers": _max_over_ranks(peak_memory_gb(worker.device), worker),
-               "worker_seconds": time.perf_counter() - t_start}
-    tracker.log_metrics(summary, cfg.train.max_steps)
-    return summary
+    def evaluate(self) -> float:
+        return evaluate_loss(self.model, self.eval_pass, self.ctx)
 
+    def save_checkpoint(self, step: int) -> None:
+        position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
+                                self.scheduler.state_dict(), self.state.initial_eval_loss)
+        t_save = time.perf_counter()
+        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position),
+                              {"step": step, "train_loss": self.train_loss})
+        self._log({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
 
-@torch.no_grad()
-def evaluate(model, eval_pass: Callable[[], Iterable], worker: Worker) -> float:
-    """Mean loss per target token over the whole eval set, the same for any worker count.
+    def finish(self) -> dict[str, float]:
+        """Every collective first (final eval, sample decoding, adapter gather, peak memory), then rank 0
+        writes the adapter to disk and only then uploads: a slow tracking server never holds other ranks
+        in a collective."""
+        cfg, ctx = self.cfg, self.ctx
+        if self.eval_loss is None:  # resumed from the final checkpoint: nothing trained in this attempt
+            self.eval_loss = self.evaluate()
+        samples = (sample_generations(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
+                                      cfg.train.sample_max_new_tokens, ctx.device)
+                   if cfg.train.sample_prompts else None)  # every rank decodes in lockstep
+        adapter_state = gather_trainable_state(self.model)
+        summary = {"steps": cfg.train.max_steps, "final_train_loss": self.train_loss,
+                   "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
+                   **self.meter.summary(),
+                   "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
+                   "worker_seconds": time.perf_counter() - self.started}
+        if ctx.is_main and self.adapter_dir is not None:
+            save_adapter(self.model, adapter_state, self.adapter_dir, self.tokenizer, cfg.to_yaml())
+            self.tracker.log_artifacts(self.adapter_dir, "adapter")
+        if samples is not None:
+            self.tracker.log_table(samples, "eval/sample_generations.json")
+        self.tracker.log_metrics(summary, cfg.train.max_steps)
+        return summary
 
-    Every rank reads all eval batches and scores batches rank, rank + world, ...; ranks with fewer
-    batches run an extra forward with no weight, since FSDP needs every rank in every forward.
-    """
-    model.eval()
-    batches = [to_device(b, worker.device) for b in eval_pass()]
-    mine = batches[worker.rank::worker.world_size]
-    totals = torch.zeros(2, dtype=torch.float64, device=worker.device)
-    for i in range(math.ceil(len(batches) / worker.world_size)):
-        batch = mine[i] if i < len(mine) else batches[0]
-        token_loss = summed_token_loss(model, batch)
-        if i < len(mine):
-            totals += torch.stack([token_loss.double(), target_token_count(batch["labels"]).double()])
-    dist.all_reduce(totals)
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-def _eval_metrics(eval_loss: float) -> dict[str, float]:
-    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
-
-
-def _log(tracker: Tracker, metrics: dict[str, float], step: int) -> None:
-    """Steps an earlier attempt already logged are not logged again: one value per step in MLflow."""
-    if step > tracker.logged_through:
-        tracker.log_metrics(metrics, step)
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        """Steps an earlier attempt already logged are not logged again: one value per step in MLflow."""
+        if step > self.tracker.logged_through:
+            self.tracker.log_metrics(metrics, step)
 
 
 def _real_tokens(micro_batches: list[dict], pad_id: int) -> torch.Tensor:
     """Tokens that are not right-padding: the throughput figure counts only these."""
     return sum((b["input_ids"] != pad_id).sum() for b in micro_batches).to(torch.float64)
-
-
-def _max_over_ranks(value: float, worker: Worker) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=worker.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()

@@ -15,6 +15,7 @@ import queue
 import subprocess
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
@@ -22,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from app.config import FinetuneConfig
 from app.datasource import DataSource
+from app.layout import OutputDir
 
 log = logging.getLogger(__name__)
 MAX_PARAM_CHARS = 6000
@@ -35,30 +37,31 @@ def git_commit(cwd: str | Path = ".") -> str | None:
     return out.stdout.strip() or None
 
 
-def get_or_create_experiment(client: MlflowClient, cfg: FinetuneConfig) -> str:
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+def get_or_create_experiment(client: MlflowClient, name: str, output: OutputDir) -> str:
+    """The experiment's id; a new experiment in a local (sqlite) store keeps its artifacts beside the store,
+    not in MLflow's default `./mlruns` of whatever directory the process runs in."""
+    experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    artifacts = None
-    if cfg.mlflow.tracking_uri.startswith("sqlite:"):  # a local store keeps artifacts beside it
-        artifacts = (Path(cfg.train.output_dir) / "mlartifacts").as_uri()
-    return client.create_experiment(cfg.mlflow.experiment, artifact_location=artifacts)
+    local = client.tracking_uri.startswith("sqlite:")
+    return client.create_experiment(name, artifact_location=output.mlflow_artifacts.as_uri() if local else None)
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: dict[str, object],
-              datasets: dict[str, DataSource | None] = {}) -> str:
+              datasets: dict[str, DataSource | None] | None = None) -> str:
     """Create the job's run with the resolved config as params and as an artifact, and the data as
     dataset inputs; a sweep's run is tagged with the sweep and nested under its parent run."""
-    Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
+    cfg.output.root.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     tags = tags | {"sweep": cfg.mlflow.sweep, "mlflow.parentRunId": cfg.mlflow.parent_run_id}
-    run = client.create_run(get_or_create_experiment(client, cfg), run_name=cfg.train.run_name,
+    run = client.create_run(get_or_create_experiment(client, cfg.mlflow.experiment, cfg.output),
+                            run_name=cfg.train.run_name,
                             tags={k: v for k, v in tags.items() if v is not None})
     params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in {**cfg.flat(), **extra_params}.items()]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
     client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
-    inputs = [dataset_input(source, context) for context, source in datasets.items() if source is not None]
+    inputs = [dataset_input(source, context) for context, source in (datasets or {}).items() if source is not None]
     if inputs:
         client.log_inputs(run.info.run_id, datasets=inputs)
     return run.info.run_id
@@ -79,8 +82,10 @@ def dataset_input(source: DataSource, context: str) -> DatasetInput:
     if source.kind == "hf_hub":
         origin = HuggingFaceDatasetSource(path=source.location)
     else:
-        origin = resolve_dataset_source(source.location if "://" in source.location
-                                        else Path(source.location).resolve().as_uri())
+        with warnings.catch_warnings():  # MLflow registers its local-file source twice ("" and "file")
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            origin = resolve_dataset_source(source.location if "://" in source.location
+                                            else Path(source.location).resolve().as_uri())
     dataset = MetaDataset(origin, name=Path(source.location.rstrip("/")).name, digest=digest.hexdigest()[:16])
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
 
@@ -189,7 +194,8 @@ class RunLogger:
             with open(self.unsent_file, "a") as f:
                 for batch in unsent:
                     for m in batch:
-                        f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}) + "\n")
+                        row = {"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}
+                        f.write(json.dumps(row) + "\n")
             log.warning("MLflow: %d metric batches could not be sent; written to %s", len(unsent), self.unsent_file)
         if self.failures:
             log.warning("MLflow was unreachable for %d calls during this run", self.failures)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray.train
 import ray.train.torch
 
 from app.checkpoint import TrainerState
-from app.config import config_from_dict
-from app.recipe import NoTracking, Worker, finetune
+from app.config import FinetuneConfig
+from app.ranks import RankContext
+from app.recipe import FinetuneRecipe, NoTracking
 from app.tracking import RunLogger
-
 
 FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": fault injection for the resilience tests
 
@@ -52,26 +53,36 @@ class RayCheckpoints:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_worker(loop_config: dict) -> None:
-    cfg = config_from_dict(loop_config["config"])
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What the driver hands every worker: the validated config and the MLflow run to log to."""
+
+    config: FinetuneConfig
+    mlflow_run_id: str
+    job_start_time: float
+
+
+def train_worker(launch: WorkerLaunch) -> None:
+    cfg = launch.config
     context = ray.train.get_context()
-    worker = Worker(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
+    ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
     train_shard = ray.train.get_dataset_shard("train")
     eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
 
     def train_pass(epoch: int):
         return train_shard.iter_torch_batches(
             batch_size=cfg.train.micro_batch_size, local_shuffle_buffer_size=cfg.data.shuffle_buffer_rows or None,
-            local_shuffle_seed=cfg.train.seed + 1000 * epoch + worker.rank)
+            local_shuffle_seed=cfg.train.seed + 1000 * epoch + ctx.rank)
 
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
-    tracker = (RunLogger(cfg.mlflow.tracking_uri, loop_config["mlflow_run_id"], cfg.run_dir / "unsent_metrics.jsonl")
-               if worker.rank == 0 else NoTracking())
+    run_dir = cfg.run_dir
+    tracker = (RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, run_dir.unsent_metrics)
+               if ctx.is_main else NoTracking())
     try:
-        finetune(cfg, worker, train_pass, eval_pass, tracker, RayCheckpoints(worker.rank, worker.world_size),
-                 Path(loop_config["adapter_dir"]), loop_config.get("job_start_time"))
+        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
+                       run_dir.adapter, launch.job_start_time).train()
     finally:
-        if worker.rank == 0:
+        if ctx.is_main:
             tracker.close()

@@ -2,8 +2,9 @@
 
     python -m jobs.finetune --config jobs/configs/embedded.yaml [--set key=value ...]
 
-Locally this starts an embedded Ray cluster; under `ray job submit` (or with RAY_ADDRESS set) it
-joins that cluster. The last line printed is a JSON summary of the run.
+Locally this starts a Ray cluster of its own; under `ray job submit` (or with RAY_ADDRESS set) it
+joins that cluster. The last line printed is a JSON summary of the run. Ray's own bookkeeping lines
+are hidden unless --verbose.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import sys
 
 from app.config import load_config
+from app.console import quiet_driver_logging
 from app.errors import UserInputError
 
 
@@ -25,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="override one config key, e.g. --set train.max_steps=50 (repeatable)")
     parser.add_argument("--resume", metavar="RUN_NAME",
                         help="continue this run (under train.output_dir) from its latest checkpoint")
+    parser.add_argument("--verbose", action="store_true", help="show Ray's own start-up and bookkeeping lines")
     return parser.parse_args(argv)
 
 
@@ -39,15 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
         cfg = load_config(args.config, overrides)
+        if not args.verbose:
+            quiet_driver_logging()
         from app.launcher import run_finetune  # imports Ray: only after the config is known good
 
         if os.environ.get("HF_TOKEN"):
             print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)
 
-        summary = run_finetune(cfg, resume=bool(args.resume))
+        summary = run_finetune(cfg, resume=bool(args.resume), verbose=args.verbose)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import ray
+
+    ray.shutdown()  # Ray prints what workers wrote until it disconnects: the summary comes after all of it
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -6,7 +6,7 @@ Reads only the model's config (config.json; no weights), builds the model on the
 its parameters exactly, and prints parameters, LoRA + optimizer state, gradients, all-gathered
 working copies and activations per worker for the configured worker count, mesh and FSDP options,
 and whether that fits the given device memory. --model-config takes any config.json instead of
-model.path (e.g. jobs/configs/shapes/llama31_8b.json).
+model.path (e.g. benchmarks/shapes/llama31_8b.json).
 """
 
 from __future__ import annotations

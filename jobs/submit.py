@@ -27,7 +27,7 @@ import yaml
 from app.config import load_config
 from app.errors import UserInputError
 from app.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
-from app.tracking import git_commit
+from app.tracking import get_or_create_experiment, git_commit
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -53,7 +53,7 @@ def runtime_env(path: str) -> dict:
 
 
 def submit_run(client, config: str, overrides: list[str], env: dict, resume: str | None = None,
-               run_name: str | None = None, metadata: dict[str, str] = {}) -> str:
+               run_name: str | None = None, metadata: dict[str, str] | None = None) -> str:
     """Validate the config here, then submit one fine-tuning job; returns its submission id."""
     if resume:
         overrides = [*overrides, f"train.run_name={resume}"]
@@ -71,7 +71,7 @@ def submit_run(client, config: str, overrides: list[str], env: dict, resume: str
     commit = git_commit()  # the uploaded working dir has no .git: the run's commit tag comes from here
     env = env | {"env_vars": (env.get("env_vars") or {}) | ({"GIT_COMMIT": commit} if commit else {})}
     return client.submit_job(entrypoint=shlex.join(command), submission_id=submission_id, runtime_env=env,
-                             metadata={"run_name": cfg.train.run_name, "config": config, **metadata})
+                             metadata={"run_name": cfg.train.run_name, "config": config, **(metadata or {})})
 
 
 def wait_for(client, job_ids: list[str], poll_seconds: float = 2.0, quiet: bool = False) -> dict[str, str]:
@@ -123,10 +123,10 @@ def sweep(client, args: argparse.Namespace, env: dict) -> int:
     cfg = load_config(args.config, args.overrides)
     tracking_uri = _sweep_tracking_uri(args.overrides, env)
     for i, point in enumerate(points):  # every point validated before the first job is submitted
-        load_config(args.config, [*args.overrides, *point_overrides(point), f"train.run_name={point_name(name, i, point)}"])
+        load_config(args.config, [*args.overrides, *point_overrides(point),
+                                  f"train.run_name={point_name(name, i, point)}"])
     mlflow = MlflowClient(tracking_uri)
-    experiment = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
-    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(cfg.mlflow.experiment)
+    experiment_id = get_or_create_experiment(mlflow, cfg.mlflow.experiment, cfg.output)
     parent = mlflow.create_run(experiment_id, run_name=name, tags={"sweep": name, "sweep.role": "parent"})
     mlflow.log_param(parent.info.run_id, "sweep.grid", yaml.safe_dump(grid, default_flow_style=True).strip())
     job_ids = [submit_run(client, args.config, [*args.overrides, *point_overrides(point),

@@ -1,17 +1,13 @@
-"""Shared fixtures: the embedded model and data (built once), one Ray session, config helpers."""
+"""Shared fixtures: the embedded model and data (built once), one Ray session, the reference run."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from app.config import FinetuneConfig, load_config
-
-REPO = Path(__file__).resolve().parents[1]
-EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
+from tests.helpers import REPO, SHORT_RUN, make_config
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +23,7 @@ def embedded() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One embedded Ray cluster for every test that trains (starting one costs seconds)."""
+    """One local Ray cluster for every test that trains (starting one costs seconds)."""
     import ray
 
     # Ray Train's controller records a reported checkpoint at its next poll (2 s by default); polling
@@ -38,11 +34,6 @@ def ray_cluster():
     ray.shutdown()
 
 
-# Settings of the short runs the e2e and fault tests compare: every step logged, no shuffle buffer.
-SHORT_RUN = ["train.max_steps=30", "train.checkpoint_every=6", "train.eval_every=15", "train.log_every=1",
-             "train.warmup_steps=2", "data.shuffle_buffer_rows=0"]
-
-
 @pytest.fixture(scope="session")
 def reference_run(ray_cluster, embedded, tmp_path_factory):
     """One uninterrupted 2-worker run of SHORT_RUN: checked by the e2e tests, compared against by the
@@ -51,19 +42,3 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
 
     cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference")
     return cfg, run_finetune(cfg)
-
-
-def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> FinetuneConfig:
-    """The embedded config, reading the built model and data, writing under tmp_path, with overrides."""
-    return load_config(EMBEDDED_CONFIG, [
-        f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
-        f"data.eval_path={embedded['eval']}", f"train.output_dir={tmp_path / 'outputs'}", *overrides])
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-def chat(user: str, assistant: str) -> dict:
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}

@@ -1,0 +1,26 @@
+"""Which process this is in the training group, and small collectives over the group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that logs, writes the adapter and prints progress."""
+        return self.rank == 0
+
+
+def max_over_ranks(value: float, ctx: RankContext) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

@@ -1,0 +1,93 @@
+"""What the benchmark commands share: running torchrun scripts, random-weight checkpoints, and writing
+figures (JSON, a plot, and a run in the project's own MLflow store, experiment "benchmarks")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.config import FinetuneConfig
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+SHAPES = Path(__file__).resolve().parent / "shapes"
+DEFAULT_OUT = "outputs/benchmark"
+
+
+def last_json_line(command: list[str]) -> dict:
+    """Run a command; its last stdout line starting with '{' is its result."""
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{out.stderr[-3000:]}")
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def torchrun(workers: int, module: str, *args: str) -> dict:
+    return last_json_line([*TORCHRUN, f"--nproc-per-node={workers}", "-m", module, *args])
+
+
+def step_flags(cfg: FinetuneConfig) -> list[str]:
+    """benchmarks/step.py flags that reproduce the config's training step."""
+    flags = ["--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),
+             "--accum", str(cfg.grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype, "--dtype", cfg.model.dtype,
+             "--lora-r", str(cfg.lora.r)]
+    flags += [] if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
+    flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
+    flags += ["--cpu-offload"] if cfg.fsdp.cpu_offload else []
+    flags += ["--mesh", *map(str, cfg.scaling.mesh)] if cfg.scaling.mesh else []
+    return flags
+
+
+def random_checkpoint(config_file: str, out: Path) -> Path:
+    """A model of the given shape with random weights, saved as bf16 safetensors under `out` (built once)."""
+    model_dir = out / f"model-{Path(config_file).stem}"
+    if (model_dir / "config.json").exists():
+        return model_dir
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(Path(config_file).read_text())
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+    return model_dir
+
+
+def write_and_log(result: dict, out: Path, name: str, plot=None) -> None:
+    """`<out>/<name>.json` (+ `.png` from `plot(result, path)`), printed, and logged as one MLflow run."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / f"{name}.json"]
+    files[0].write_text(json.dumps(result, indent=2))
+    if plot:
+        files.append(out / f"{name}.png")
+        plot(result, files[1])
+    log_to_mlflow(result, name, files)
+    print(json.dumps(result, indent=2))
+
+
+def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
+    """Into the project's own store: $MLFLOW_TRACKING_URI, else outputs/mlflow.db (artifacts beside it)."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from app.config import load_config
+    from app.tracking import get_or_create_experiment
+
+    project = load_config(None)
+    project.output.root.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(project.mlflow.tracking_uri)
+    run = client.create_run(get_or_create_experiment(client, "benchmarks", project.output),
+                            run_name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    now = int(time.time() * 1000)
+    params = [Param(k, str(v)) for k, v in result.items() if not isinstance(v, (dict, list))]
+    metrics = [Metric(f"{mode}.{k}", float(v), now, 0) for mode, figures in result.items()
+               if isinstance(figures, dict) for k, v in figures.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    client.log_batch(run.info.run_id, metrics=metrics, params=params)
+    for file in files:
+        client.log_artifact(run.info.run_id, str(file))
+    client.set_terminated(run.info.run_id)
+    print(f"MLflow: {project.mlflow.tracking_uri}, experiment benchmarks, run {run.info.run_name}", file=sys.stderr)

@@ -1,0 +1,60 @@
+"""What several test modules use: paths, config and data builders, free ports, a gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+from app.config import FinetuneConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
+
+# Settings of the short runs the e2e and fault tests compare: every step logged, no shuffle buffer.
+SHORT_RUN = ["train.max_steps=30", "train.checkpoint_every=6", "train.eval_every=15", "train.log_every=1",
+             "train.warmup_steps=2", "data.shuffle_buffer_rows=0"]
+
+
+def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> FinetuneConfig:
+    """The embedded config, reading the built model and data, writing under tmp_path, with overrides."""
+    return load_config(EMBEDDED_CONFIG, [
+        f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
+        f"data.eval_path={embedded['eval']}", f"train.output_dir={tmp_path / 'outputs'}", *overrides])
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat(user: str, assistant: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, world: int, *args) -> None:
+    """Run `fn(rank, world, *args)` in `world` processes joined in a real gloo process group (no Ray).
+    `fn` must be a module-level function: the processes are spawned."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_in_gloo_group, args=(world, free_port(), fn, args), nprocs=world)
+
+
+def _in_gloo_group(rank: int, world: int, port: int, fn, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()

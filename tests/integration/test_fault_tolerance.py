@@ -1,0 +1,100 @@
+"""Checkpoints, restarts and resume on a real embedded Ray cluster: workers are really killed (SIGKILL)."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import ray.train
+from mlflow.tracking import MlflowClient
+
+from app.launcher import run_finetune
+from app.worker import FAULT_ENV
+from tests.helpers import SHORT_RUN, make_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _history(cfg, run_id, key="train_loss") -> dict[int, float]:
+    points = MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(run_id, key)
+    steps = [m.step for m in points]
+    assert len(steps) == len(set(steps)), f"{key} has repeated steps: {sorted(steps)}"
+    return {m.step: m.value for m in points}
+
+
+def _kill_a_worker_after(cfg, step: int, seen: dict, timeout: float = 240) -> threading.Thread:
+    """In the background: wait until MLflow shows `step`, then SIGKILL one training worker process.
+
+    `seen["step"]` gets the last step logged when the kill was sent."""
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cfg.run_dir.record.exists():
+                run_id = cfg.run_dir.recorded_mlflow_run_id()
+                steps = [m.step for m in MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(run_id, "train_loss")]
+                if max(steps, default=0) >= step:
+                    victims = [p for p in psutil.process_iter(["cmdline"])
+                               if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+                    assert victims, "no training worker process found"
+                    victims[-1].send_signal(signal.SIGKILL)
+                    seen["step"] = max(steps)
+                    return
+            time.sleep(0.2)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_worker_is_replaced_and_the_run_finishes_without_losing_steps(reference_run, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, *SHORT_RUN, "train.max_failures=1", "train.run_name=killed")
+    seen = {}
+    killer = _kill_a_worker_after(cfg, step=9, seen=seen)
+    summary = run_finetune(cfg)
+    killer.join()
+    run_id = summary["mlflow_run_id"]
+    losses = _history(cfg, run_id)
+    assert sorted(losses) == list(range(1, 31))  # exactly max_steps steps, each logged once
+    resumed = _history(cfg, run_id, "resumed_from_step")
+    assert len(resumed) == 1, "the worker group was not restarted"
+    restart_step = int(next(iter(resumed.values())))
+    assert restart_step % 6 == 0 and 6 <= restart_step <= seen["step"]
+    after_restart = [losses[s] for s in range(seen["step"] + 1, seen["step"] + 5)]  # the new workers' first steps
+    assert max(after_restart) < 0.7 * losses[1], "after the restart the loss started over from the untrained value"
+    assert MlflowClient(cfg.mlflow.tracking_uri).get_run(run_id).info.status == "FINISHED"
+    assert summary["final_eval_loss"] == pytest.approx(reference_run[1]["final_eval_loss"], rel=0.1)
+    assert len(cfg.run_dir.checkpoints()) == cfg.train.keep_checkpoints
+
+
+def test_a_crashed_run_resumes_on_fewer_workers_and_ends_near_an_uninterrupted_one(reference_run, embedded, tmp_path):
+    crashed = make_config(tmp_path, embedded, *SHORT_RUN, "train.max_failures=0", "train.run_name=crashed")
+    killer = _kill_a_worker_after(crashed, step=15, seen={})
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_finetune(crashed)
+    killer.join()
+    run_id = crashed.run_dir.recorded_mlflow_run_id()
+    assert MlflowClient(crashed.mlflow.tracking_uri).get_run(run_id).info.status == "FAILED"
+
+    resumed = run_finetune(make_config(tmp_path, embedded, *SHORT_RUN, "train.run_name=crashed",
+                                       "scaling.num_workers=1"), resume=True)
+    reference = reference_run[1]
+    assert resumed["mlflow_run_id"] == run_id and resumed["steps"] == 30
+    assert sorted(_history(crashed, run_id)) == list(range(1, 31))
+    assert _history(crashed, run_id, "resumed_from_step") == {12: 12.0}
+    assert resumed["final_eval_loss"] == pytest.approx(reference["final_eval_loss"], rel=0.1)
+    assert resumed["initial_eval_loss"] == pytest.approx(reference["initial_eval_loss"], rel=1e-3)
+    assert MlflowClient(crashed.mlflow.tracking_uri).get_run(run_id).data.tags["resumes"] == "1"
+
+
+def test_a_crash_while_saving_a_checkpoint_resumes_from_the_previous_one(ray_cluster, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, *SHORT_RUN, "train.max_steps=12", "train.checkpoint_every=4",
+                      "train.max_failures=1", "train.run_name=torn")
+    os.environ[FAULT_ENV] = f"8:{tmp_path / 'fault-fired'}"
+    try:
+        summary = run_finetune(cfg)
+    finally:
+        del os.environ[FAULT_ENV]
+    assert (tmp_path / "fault-fired").exists()
+    assert _history(cfg, summary["mlflow_run_id"], "resumed_from_step") == {4: 4.0}
+    assert sorted(_history(cfg, summary["mlflow_run_id"])) == list(range(1, 13))

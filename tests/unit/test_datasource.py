@@ -1,0 +1,55 @@
+"""The data check that runs in the driver before any worker starts."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.datasource import check_source, resolve_source
+from app.errors import UserInputError
+from tests.helpers import chat, write_jsonl
+
+
+def _check(path, fmt="auto"):
+    return check_source(resolve_source(str(path)), fmt)
+
+
+def test_counts_valid_records_of_every_local_kind(tmp_path):
+    import datasets
+
+    assert _check(write_jsonl(tmp_path / "a.jsonl", [chat("q", "a")] * 3 + [""])) == 3  # blank lines ignored
+    pq.write_table(pa.table({"prompt": ["p"] * 4, "completion": ["c"] * 4}), tmp_path / "b.parquet")
+    assert _check(tmp_path / "b.parquet") == 4
+    datasets.Dataset.from_list([{"instruction": "i", "output": "o"}] * 5).save_to_disk(tmp_path / "hf")
+    assert resolve_source(str(tmp_path / "hf")).kind == "hf_disk" and _check(tmp_path / "hf") == 5
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "x.jsonl", [chat("q", "a")])
+    write_jsonl(tmp_path / "dir" / "y.jsonl", [chat("q", "a")] * 2)
+    assert _check(tmp_path / "dir") == 3
+
+
+def test_hub_ids_and_uris_are_passed_to_their_readers():
+    assert resolve_source("tatsu-lab/alpaca").kind == "hf_hub"
+    assert resolve_source("s3://bucket/train/part-0.parquet").kind == "parquet"
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([chat("q", "a"), '{"messages": [oops'], "b.jsonl:2: not valid JSON"),
+    ([chat("q", "a"), chat("q", "a"), {"question": "q"}], "b.jsonl:3: record needs fields"),
+    ([{"messages": [{"role": "user", "content": "q"}]}], "b.jsonl:1: 'messages' has no assistant turn"),
+    ([], "no records; the data is empty"),
+])
+def test_bad_jsonl_is_named_by_file_and_line(tmp_path, lines, message):
+    with pytest.raises(UserInputError) as e:
+        _check(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_path_and_wrong_columns(tmp_path):
+    with pytest.raises(UserInputError, match="data.train_path=.*nope.jsonl: no such file or directory"):
+        resolve_source(str(tmp_path / "nope.jsonl"))
+    pq.write_table(pa.table({"text": ["t"]}), tmp_path / "c.parquet")
+    with pytest.raises(UserInputError, match=r"c.parquet: columns \['text'\] lack the fields"):
+        _check(tmp_path / "c.parquet")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserInputError, match="unsupported file type '.txt'"):
+        resolve_source(str(tmp_path / "notes.txt"))

@@ -1,0 +1,74 @@
+"""Formatting and label masking with the embedded tokenizer (a real BPE tokenizer with a chat template)."""
+
+import copy
+
+import pytest
+
+from app.formatting import IGNORE_INDEX, detect_format, tokenize_record, tokenize_rows
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded["model"])
+
+
+def _targets(tokenizer, ids, labels) -> str:
+    return tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+
+
+def test_chat_records_train_only_on_assistant_turns(tokenizer):
+    record = {"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Write 12 in words."},
+                           {"role": "assistant", "content": "twelve"},
+                           {"role": "user", "content": "And 13?"},
+                           {"role": "assistant", "content": "thirteen"}]}
+    ids, labels = tokenize_record(tokenizer, record, "chat", 256)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    assert _targets(tokenizer, ids, labels) == "twelve<|im_end|>\nthirteen<|im_end|>\n"
+
+
+def test_instruction_and_prompt_completion_use_the_chat_template(tokenizer):
+    inst = tokenize_record(tokenizer, {"instruction": "Write 5 in words.", "output": "five"}, "instruction", 256)
+    pc = tokenize_record(tokenizer, {"prompt": "Write 5 in words.", "completion": "five"}, "prompt_completion", 256)
+    assert inst == pc
+    assert _targets(tokenizer, *inst) == "five<|im_end|>\n"
+
+
+def test_without_a_chat_template_a_plain_template_and_eos_are_used(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    ids, labels = tokenize_record(plain, {"instruction": "Write 5 in words.", "input": "", "output": "five"},
+                                  "instruction", 256)
+    assert plain.decode(ids).startswith("<s>### Instruction:\nWrite 5 in words.\n\n### Response:\n")
+    assert _targets(plain, ids, labels) == "five<|im_end|>"  # the eos is learned too
+
+
+def test_rows_are_padded_and_truncated_to_max_seq_len(tokenizer):
+    records = [{"prompt": "Write 5 in words.", "completion": "five"},
+               {"prompt": "Write 777 in words.", "completion": "seven hundred seventy-seven " * 10}]
+    rows = tokenize_rows(records, tokenizer, "auto", max_seq_len=24)
+    assert rows["input_ids"].shape == rows["labels"].shape == (2, 24)
+    assert rows["input_ids"][0, -1] == tokenizer.pad_token_id and rows["labels"][0, -1] == IGNORE_INDEX
+    assert (rows["input_ids"][1] != tokenizer.pad_token_id).all() and rows["labels"][1, -1] != IGNORE_INDEX
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"text": "hi"}, "record needs fields messages or instruction+output or prompt+completion (has: text)"),
+    ({"messages": []}, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ({"messages": [{"role": "user"}]}, "messages[0] needs string fields 'role' and 'content'"),
+    ({"instruction": "a", "output": "b", "input": 3}, "field 'input' must be a string"),
+    ([1, 2], "expected a JSON object, got list"),
+])
+def test_records_without_the_needed_fields_are_rejected(record, message):
+    with pytest.raises(ValueError) as e:
+        detect_format(record)
+    assert message in str(e.value)
+
+
+def test_a_forced_format_only_accepts_that_format():
+    assert detect_format({"prompt": "a", "completion": "b"}) == "prompt_completion"
+    with pytest.raises(ValueError, match="needs fields messages"):
+        detect_format({"prompt": "a", "completion": "b"}, "chat")

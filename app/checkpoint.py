@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from app.sharding import reshard
+
 TRAINER_STATE = "trainer_state.json"
 # strict=False: the frozen base is not in the checkpoint; dcp.load already fails on a missing LoRA key
 _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -35,6 +37,7 @@ class TrainerState:
 
 def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState) -> None:
     """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`."""
+    reshard(model)  # the fp32 shards, not gathered copies an eval forward left behind
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
     rank = dist.get_rank()
@@ -60,8 +63,11 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The FULL tensor of every trainable (LoRA) parameter, on the CPU, on every rank.
 
     A collective: every rank must call it. Gathering only what trains avoids all-gathering the frozen
-    base, and gathering every shard (not rank 0's slice) is what makes the saved lora_B whole.
+    base, and gathering every shard (not rank 0's slice) is what makes the saved lora_B whole. The
+    shards are the fp32 master weights: units still holding gathered compute-dtype copies (after an
+    eval forward) are resharded first.
     """
+    reshard(model)
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:

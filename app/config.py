@@ -19,6 +19,7 @@ from app.errors import UserInputError
 from app.layout import OutputDir, RunDir
 
 DType = Literal["bfloat16", "float16", "float32"]
+AutoDType = Literal["auto", "bfloat16", "float16", "float32"]  # auto: resolved on the workers (app/hardware.py)
 
 
 class _Section(BaseModel):
@@ -33,7 +34,8 @@ class ModelSection(_Section):
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code; off unless "
                                     "you have reviewed it")
-    dtype: DType = Field("bfloat16", description="dtype the frozen base weights are stored in")
+    dtype: AutoDType = Field("auto", description="dtype the frozen base weights are stored in; auto: bfloat16 on "
+                             "GPUs and on CPUs with bf16 units (AVX-512 BF16, AMX), float32 elsewhere")
     gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing: recompute "
                                          "each layer in backward instead of keeping its activations")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
@@ -49,12 +51,17 @@ class LoraSection(_Section):
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the LoRA input")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or all-linear")
+    use_dora: bool = Field(False, description="DoRA: a trained magnitude per output row besides the LoRA "
+                           "direction (its start: the row norms of the whole base weight)")
+    use_rslora: bool = Field(False, description="rank-stabilised LoRA: scale the update by alpha / sqrt(r) "
+                             "instead of alpha / r")
 
 
 class FsdpSection(_Section):
     """FSDP2 sharding: every decoder layer, then the root, is a `fully_shard` unit with this policy."""
 
-    param_dtype: DType = Field("bfloat16", description="dtype parameters are all-gathered and computed in")
+    param_dtype: AutoDType = Field("auto", description="dtype parameters are all-gathered and computed in; auto: "
+                                   "bfloat16 where the hardware computes it natively, float32 elsewhere")
     reduce_dtype: DType = Field("float32", description="dtype gradients are reduce-scattered in")
     reshard_after_forward: bool = Field(True, description="free each layer's gathered weights after forward "
                                         "(less memory, one more all-gather in backward)")
@@ -139,7 +146,7 @@ class FinetuneConfig(_Section):
     mlflow: MlflowSection = MlflowSection()
 
     @model_validator(mode="after")
-    def _batch_divides_over_workers(self) -> FinetuneConfig:
+    def _settings_agree(self) -> FinetuneConfig:
         per_step = self.train.micro_batch_size * self.scaling.num_workers
         if self.train.global_batch_size % per_step:
             raise ValueError(
@@ -149,6 +156,9 @@ class FinetuneConfig(_Section):
         if self.fsdp.cpu_offload and not self.scaling.use_gpu:
             raise ValueError("fsdp.cpu_offload=true moves GPU state to host memory; with scaling.use_gpu=false "
                              "everything is in host memory already: set fsdp.cpu_offload=false")
+        if self.fsdp.param_dtype == "float16":
+            raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "
+                             "gradients underflow to zero): use bfloat16, float32 or auto")
         mesh = self.scaling.mesh
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
@@ -158,6 +168,14 @@ class FinetuneConfig(_Section):
     @property
     def grad_accum_steps(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
+
+    def with_dtypes_resolved(self, fast_bf16: bool) -> FinetuneConfig:
+        """`auto` dtypes made concrete for hardware that does (or does not) compute bf16 natively."""
+        from app.hardware import resolve_dtype
+
+        return self.model_copy(update={
+            "model": self.model.model_copy(update={"dtype": resolve_dtype(self.model.dtype, fast_bf16)}),
+            "fsdp": self.fsdp.model_copy(update={"param_dtype": resolve_dtype(self.fsdp.param_dtype, fast_bf16)})})
 
     @property
     def output(self) -> OutputDir:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import ray
 import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from app import console, tracking
 from app.config import FinetuneConfig
@@ -23,6 +23,7 @@ from app.data import build_datasets
 from app.datasource import DataSource, check_source, resolve_source
 from app.errors import UserInputError
 from app.model import check_lora_targets, check_model_source, load_tokenizer
+from app.sharding import process_group_backend
 from app.worker import FAULT_ENV, WorkerLaunch, train_worker
 
 
@@ -135,6 +136,7 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_s
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
+        torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),
         datasets={"train": train_ds, "eval": eval_ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )

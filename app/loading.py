@@ -6,22 +6,28 @@ model sharded while it has no storage, and only then does each rank allocate and
 shards: base weights read as slices of the safetensors files (memory-mapped, so a rank reads only
 its rows), LoRA weights initialised explicitly (meta LoRA weights would otherwise stay garbage).
 Peak host memory of a worker while loading scales with 1/N of the model.
+
+Checkpoint keys are mapped to the model's parameters with transformers' own renaming rules (e.g.
+GPT-NeoX's `embed_out` is the model's `lm_head`); tied weights stay one parameter. What this loader
+cannot map (parameters that transformers builds from several checkpoint tensors, such as fused MoE
+experts) is found in the driver by `sharded_loading_problem`, and the job then loads the model whole.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from app.model import apply_lora, build_lora_model, enable_activation_checkpointing, torch_dtype
-from app.sharding import shard_model
+from app.errors import UserInputError
+from app.hardware import torch_dtype
+from app.lora_init import base_param_name, init_lora_weights
+from app.model import apply_lora, build_lora_model, enable_activation_checkpointing
+from app.sharding import local_region, shard_model
 
-PEFT_PREFIX = "base_model.model."
+CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safetensors file, key in it)
 
 
 def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device) -> nn.Module:
@@ -33,10 +39,10 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
     return model
 
 
-def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None):
-    """The PEFT LoRA model with every parameter on the meta device; buffers (rotary tables, which
-    no checkpoint holds) are computed on the CPU as usual. Reads only the model's config (or
-    `config_file`, a config.json of any model shape)."""
+def build_meta_base_model(model_cfg, config_file: str | None = None):
+    """The base model with every parameter on the meta device and tied weights tied; buffers (rotary
+    tables, which no checkpoint holds) are computed on the CPU as usual. Reads only the model's config
+    (or `config_file`, a config.json of any model shape)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,7 +55,12 @@ def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | Non
     with init_empty_weights(include_buffers=False):
         base = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(model_cfg.dtype),
                                                 trust_remote_code=model_cfg.trust_remote_code)
-    model = apply_lora(base, lora_cfg, seed)
+    base.tie_weights()  # init_empty_weights re-creates every parameter, which unties lm_head from the embedding
+    return base
+
+
+def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None):
+    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
@@ -57,10 +68,11 @@ def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | Non
 
 def materialize_sharded(model: nn.Module, model_cfg, seed: int, device: torch.device) -> None:
     """After fully_shard: allocate each rank's shards on `device` and fill them."""
+    index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
     allocate_local_shards(model, device)
-    with torch.no_grad():
-        load_base_shards(model, weight_files(model_cfg))
-        init_lora_shards(model, seed)
+    with torch.no_grad(), SliceReader(index) as reader:
+        load_base_shards(model, reader)
+        init_lora_weights(model, seed, reader.rows)
 
 
 @torch.no_grad()
@@ -92,53 +104,88 @@ def weight_files(model_cfg) -> dict[str, Path]:
     return files
 
 
-def checkpoint_key(param_name: str) -> str:
-    """PEFT's name of a base weight -> its name in the model's own checkpoint."""
-    return param_name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+def checkpoint_index(base_model: nn.Module, files: dict[str, Path]) -> tuple[CheckpointIndex, set[str]]:
+    """Each base parameter's (file, checkpoint key), renaming keys as transformers does when it loads;
+    and the parameters transformers would build by merging or splitting checkpoint tensors (fused MoE
+    experts, ...), which have no slice to read."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(base_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names = {name: True for name, _ in base_model.named_parameters()}
+    index: CheckpointIndex = {}
+    converted: set[str] = set()
+    for key, file in files.items():
+        name, converted_by = rename_source_key(key, renamings, converters, base_model.base_model_prefix, names)
+        if converted_by is None:
+            index.setdefault(name, (file, key))
+        else:
+            converted.add(name)
+    return index, converted
 
 
-def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """This rank's storage of `param` and which part of the full tensor it holds."""
-    if not isinstance(param, DTensor):
-        return param.data, tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+class SliceReader:
+    """Reads row ranges of checkpoint tensors from memory-mapped safetensors files (only those bytes)."""
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    def __init__(self, index: CheckpointIndex):
+        self.index, self.handles = index, {}
 
+    def __enter__(self) -> SliceReader:
+        return self
 
-def load_base_shards(model: nn.Module, files: dict[str, Path]) -> None:
-    """Copy each frozen weight's local rows out of the safetensors files (only those bytes are read)."""
-    from safetensors import safe_open
+    def __exit__(self, *exc) -> None:
+        self.handles.clear()
 
-    handles = {}
-    try:
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                continue
-            key = checkpoint_key(name)
-            if key not in files:
-                raise KeyError(f"{name}: no weight '{key}' in the model's safetensors files")
-            if files[key] not in handles:
-                handles[files[key]] = safe_open(files[key], framework="pt")
-            local, region = local_region(param)
-            if local.numel():
-                local.copy_(handles[files[key]].get_slice(key)[region].to(local.dtype))
-    finally:
-        handles.clear()
+    def slice(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        if name not in self.index:
+            raise KeyError(f"{name}: no weight in the model's safetensors files maps to it")
+        file, key = self.index[name]
+        if file not in self.handles:
+            from safetensors import safe_open
+
+            self.handles[file] = safe_open(file, framework="pt")
+        return self.handles[file].get_slice(key)[region]
+
+    def rows(self, name: str, rows: slice) -> torch.Tensor:
+        return self.slice(name, (rows,))
 
 
-def init_lora_shards(model: nn.Module, seed: int) -> None:
-    """PEFT's default LoRA init, computed whole and identically on every rank (seeded), then sliced:
-    lora_A Kaiming-uniform, lora_B zero, so the adapter starts as a no-op for any worker count."""
-    generator = torch.Generator().manual_seed(seed)
+def load_base_shards(model: nn.Module, reader: SliceReader) -> None:
+    """Copy each frozen weight's local rows out of the checkpoint."""
     for name, param in model.named_parameters():
-        if not param.requires_grad:
+        if param.requires_grad:
             continue
-        full = torch.zeros(param.shape, dtype=torch.float32)
-        if "lora_A" in name:
-            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-        elif "lora_B" not in name:
-            raise ValueError(f"{name}: a trainable weight this loader does not know how to initialise")
         local, region = local_region(param)
-        local.copy_(full[region].to(local.dtype))
+        if local.numel():
+            local.copy_(reader.slice(base_param_name(name), region).to(local.dtype))
+
+
+def checkpoint_keys(model_cfg) -> dict[str, Path | str]:
+    """Checkpoint key -> file, from the safetensors headers only (a hub model's are fetched, not its weights)."""
+    if Path(model_cfg.path).is_dir():
+        return weight_files(model_cfg)
+    from huggingface_hub import get_safetensors_metadata
+
+    return dict(get_safetensors_metadata(model_cfg.path, revision=model_cfg.revision).weight_map)
+
+
+def sharded_loading_problem(model_cfg) -> str | None:
+    """Why `model.load: sharded` cannot read this checkpoint slice by slice (None if it can): some of its
+    parameters are built by transformers from several checkpoint tensors. Runs in the driver, on the
+    config and the safetensors headers. A parameter that no checkpoint tensor gives at all is an error."""
+    base = build_meta_base_model(model_cfg)
+    index, converted = checkpoint_index(base, checkpoint_keys(model_cfg))
+    missing = [name for name, _ in base.named_parameters() if name not in index]
+    absent = [name for name in missing if name not in converted]
+    if absent:
+        raise UserInputError(f"model.path={model_cfg.path}: no weight in its safetensors files for "
+                             f"{_some(absent)}; the checkpoint does not match its config.json")
+    if missing:
+        return f"transformers builds {_some(missing)} by converting checkpoint tensors"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")

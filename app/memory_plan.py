@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from app.config import FinetuneConfig
+from app.hardware import has_fast_bf16
 
 GiB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -45,6 +48,7 @@ def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
 def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPlan:
     from app.sharding import decoder_layers
 
+    cfg = cfg.with_dtypes_resolved(cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
     model, base, lora = count_parameters(cfg, config_file)
     shard = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
     stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]

@@ -14,13 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from app.errors import UserInputError
+from app.hardware import torch_dtype
+from app.lora_init import init_lora_weights, rows_of_loaded_model
 
 if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a bare GPU box
     from app.config import LoraSection, ModelSection
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def check_model_source(model: ModelSection) -> None:
@@ -36,7 +34,11 @@ def check_model_source(model: ModelSection) -> None:
         if not any(path.glob("*.safetensors")):
             raise UserInputError(f"model.path={model.path}: no *.safetensors weights; convert the "
                                  "checkpoint to safetensors (pickled .bin weights are not loaded)")
-        auto_map = json.loads((path / "config.json").read_text()).get("auto_map")
+        config = json.loads((path / "config.json").read_text())
+        if config.get("quantization_config"):
+            raise UserInputError(f"model.path={model.path} is quantized (quantization_config in config.json); "
+                                 "LoRA + FSDP2 here trains on unquantized weights: give the bf16/fp16/fp32 checkpoint")
+        auto_map = config.get("auto_map")
         if auto_map and not model.trust_remote_code:
             raise UserInputError(f"model.path={model.path} needs custom code (auto_map in config.json); "
                                  "review it, then set model.trust_remote_code=true")
@@ -77,7 +79,7 @@ def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        model.path, revision=model.revision, dtype=torch_dtype(model.dtype), use_safetensors=True,
+        model.path, revision=model.revision, dtype=torch_dtype(model.dtype, device), use_safetensors=True,
         trust_remote_code=model.trust_remote_code, device_map=None,
     ).to(device)
 
@@ -85,13 +87,15 @@ def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
 def apply_lora(base, lora: LoraSection, seed: int):
     """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32.
 
-    The seed makes lora_A's initialisation identical on every rank and for every worker count.
+    Its initial weights are set by app.lora_init afterwards, from the seed, the same on every rank and
+    for either loading path.
     """
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, task_type="CAUSAL_LM", bias="none")
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
+                        use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
+                        bias="none")
     return get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
 
 
@@ -103,6 +107,7 @@ def enable_activation_checkpointing(model) -> None:
 
 def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu"):
     model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed)
+    init_lora_weights(model, seed, rows_of_loaded_model(model))
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model

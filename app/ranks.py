@@ -24,3 +24,10 @@ def max_over_ranks(value: float, ctx: RankContext) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def on_every_rank(flag: bool, ctx: RankContext) -> bool:
+    """True only if `flag` is true on every rank (a choice all ranks must make alike)."""
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

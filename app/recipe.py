@@ -25,11 +25,12 @@ from app.checkpoint import TrainerState, gather_trainable_state, load_training_s
 from app.config import FinetuneConfig
 from app.evaluation import eval_metrics, evaluate_loss
 from app.generation import sample_generations
+from app.hardware import has_fast_bf16
 from app.loading import build_sharded_lora_model
 from app.loss import global_target_tokens, scaled_micro_batch_loss
 from app.model import load_tokenizer
 from app.progress import Progress, ThroughputMeter, peak_memory_gb
-from app.ranks import RankContext, max_over_ranks
+from app.ranks import RankContext, max_over_ranks, on_every_rank
 from app.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.stream import PassOverShard, ShardStream
 
@@ -38,6 +39,7 @@ class Tracker(Protocol):
     logged_through: int  # steps up to here were logged by an earlier attempt of this run
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_params(self, params: dict[str, object]) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
     def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
 
@@ -48,6 +50,7 @@ class NoTracking:
     logged_through = -1
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_params(self, params: dict[str, object]) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
     def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
 
@@ -76,7 +79,10 @@ class FinetuneRecipe:
         self.meter = ThroughputMeter()
 
     def setup(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        ctx = self.ctx
+        cfg = self.cfg = self.cfg.with_dtypes_resolved(on_every_rank(has_fast_bf16(ctx.device), ctx))
+        self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
+                                 "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
@@ -85,7 +91,7 @@ class FinetuneRecipe:
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
                                            weight_decay=cfg.train.weight_decay)
-        self.scheduler = get_scheduler(cfg.train.lr_schedule, self.optimizer,
+        self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
                                        num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.max_steps)
         restored = (self.checkpoints.restore(lambda d: load_training_state(d, self.model, self.optimizer))
@@ -197,6 +203,11 @@ class FinetuneRecipe:
         """Steps an earlier attempt already logged are not logged again: one value per step in MLflow."""
         if step > self.tracker.logged_through:
             self.tracker.log_metrics(metrics, step)
+
+
+def schedule_name(lr_schedule: str, warmup_steps: int) -> str:
+    """transformers' name for the schedule: its plain `constant` ignores warm-up steps."""
+    return "constant_with_warmup" if lr_schedule == "constant" and warmup_steps else lr_schedule
 
 
 def _real_tokens(micro_batches: list[dict], pad_id: int) -> torch.Tensor:

@@ -10,18 +10,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from app.model import torch_dtype
+from app.hardware import torch_dtype
 
 if TYPE_CHECKING:
     from app.config import FsdpSection
 
 
-def init_torchrun_process_group() -> tuple[int, int, torch.device]:
-    """Under torchrun (the benchmark scripts): NCCL on GPUs, gloo on CPUs; (rank, world size, device)."""
+def process_group_backend(use_gpu: bool, cpu_offload: bool) -> str:
+    """NCCL on GPUs, gloo on CPUs. With CPU offload on GPUs both, per device type: the sharded gradients
+    are CPU DTensors then, and NCCL alone cannot reduce them (grad-norm clipping, the adapter gather;
+    pytorch issue 148532)."""
+    if not use_gpu:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+
+
+def init_torchrun_process_group(cpu_offload: bool = False) -> tuple[int, int, torch.device]:
+    """Under torchrun (the benchmark scripts); returns (rank, world size, device)."""
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(process_group_backend(cuda, cpu_offload))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -64,7 +74,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection) -> nn.Mod
     fp32 master weights) and are all-gathered and computed in `fsdp.param_dtype`; gradients are
     reduced in `fsdp.reduce_dtype` (averaged over ranks: see app.loss for the matching scale).
     """
-    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype),
+    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype, mesh.device_type),
                                   reduce_dtype=torch_dtype(fsdp.reduce_dtype))
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     if fsdp.cpu_offload:
@@ -73,6 +83,28 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection) -> nn.Mod
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state.
+
+    After a forward under no_grad (evaluation, generation), units that keep their gathered weights
+    (`reshard_after_forward=False`, and always the root) still have the unsharded `param_dtype` copies
+    registered: `named_parameters()` would then yield bf16 copies instead of the fp32 shards.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's storage of `param` and which part of the full tensor it holds."""
+    if not isinstance(param, DTensor):
+        return param.data, tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -16,9 +16,11 @@ import subprocess
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from app.config import FinetuneConfig
@@ -110,8 +112,14 @@ def reopen_run(tracking_uri: str, run_id: str) -> None:
     client.set_tag(run_id, "resumes", str(resumes))
 
 
+@dataclass
+class _Batch:
+    metrics: list[Metric] = field(default_factory=list)
+    params: list[Param] = field(default_factory=list)
+
+
 class RunLogger:
-    """Rank 0's handle on the run: metrics are queued and sent in batches by a background thread.
+    """Rank 0's handle on the run: metrics (and params) are queued and sent in batches by a background thread.
 
     While the server is unreachable the thread retries the oldest batch every `retry_seconds`; the
     training loop only ever appends to the queue. `close` waits a bounded time, then writes what is
@@ -124,8 +132,8 @@ class RunLogger:
         self.unsent_file = unsent_file
         self.failures = 0
         self.logged_through = self._last_logged_step()
-        self._queue: queue.Queue[list[Metric] | None] = queue.Queue()
-        self._pending: list[Metric] | None = None  # the batch being sent
+        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._pending: _Batch | None = None  # the batch being sent
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
         self._thread.start()
@@ -149,20 +157,29 @@ class RunLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self._queue.put([Metric(k, float(v), now, step) for k, v in metrics.items()])
+        self._queue.put(_Batch(metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]))
+
+    def log_params(self, params: dict[str, object]) -> None:
+        self._queue.put(_Batch(params=[Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]))
 
     def _send_forever(self) -> None:
         while (batch := self._queue.get()) is not None:
             self._pending = batch
             while True:
                 try:
-                    self.client.log_batch(self.run_id, metrics=batch)
+                    self.client.log_batch(self.run_id, metrics=batch.metrics, params=batch.params)
                     self._pending = None
                     break
+                except MlflowException as e:
+                    if e.error_code == "INVALID_PARAMETER_VALUE":  # rejected, not unreachable: retrying cannot help
+                        log.warning("MLflow rejected a batch (%s); it is dropped", str(e).splitlines()[0][:200])
+                        self._pending = None
+                        break
+                    self._report_failure(e)
                 except Exception as e:  # the server being down must not end training
                     self._report_failure(e)
-                    if self._stopping.wait(self.retry_seconds):
-                        return
+                if self._stopping.wait(self.retry_seconds):
+                    return
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         self._with_retries(lambda: self.client.log_artifacts(self.run_id, str(local_dir), artifact_path),
@@ -193,9 +210,11 @@ class RunLogger:
             self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
             with open(self.unsent_file, "a") as f:
                 for batch in unsent:
-                    for m in batch:
+                    for m in batch.metrics:
                         row = {"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}
                         f.write(json.dumps(row) + "\n")
+                    for p in batch.params:
+                        f.write(json.dumps({"param": p.key, "value": p.value}) + "\n")
             log.warning("MLflow: %d metric batches could not be sent; written to %s", len(unsent), self.unsent_file)
         if self.failures:
             log.warning("MLflow was unreachable for %d calls during this run", self.failures)

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from app.hardware import has_fast_bf16, resolve_dtype
 from app.loading import allocate_local_shards, build_meta_lora_model, build_sharded_lora_model, local_region
 from app.loss import scaled_micro_batch_loss
 from app.progress import peak_memory_gb
@@ -43,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
-    p.add_argument("--param-dtype", default="bfloat16")
-    p.add_argument("--dtype", default="bfloat16", help="stored dtype of the frozen base")
+    p.add_argument("--param-dtype", default="auto", help="compute dtype; auto: by the hardware, as the job does")
+    p.add_argument("--dtype", default="auto", help="stored dtype of the frozen base")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
@@ -80,10 +81,13 @@ class PeakSampler:
 
 
 def build(args, device: torch.device):
+    fast_bf16 = has_fast_bf16(device)
+    args.dtype, args.param_dtype = resolve_dtype(args.dtype, fast_bf16), resolve_dtype(args.param_dtype, fast_bf16)
     model_cfg = SimpleNamespace(path=args.model_path or os.path.dirname(os.path.abspath(args.model_config)),
                                 revision=None, trust_remote_code=False, dtype=args.dtype, load=args.load,
                                 gradient_checkpointing=not args.no_activation_checkpointing)
-    lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear")
+    lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear",
+                               use_dora=False, use_rslora=False)
     fsdp_cfg = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype="float32", cpu_offload=args.cpu_offload,
                                reshard_after_forward=not args.no_reshard_after_forward)
     mesh = build_device_mesh(device.type, args.mesh)
@@ -114,12 +118,13 @@ def flops_per_token(model, seq_len: int) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    rank, world, device = init_torchrun_process_group()
+    rank, world, device = init_torchrun_process_group(args.cpu_offload)
     rss_before_load = anonymous_rss_gb()
     with PeakSampler() as loading:
         model = build(args, device)
     load_seconds = time.perf_counter() - t_start
-    result = {"world_size": world, "rss_before_load_gb": rss_before_load, "peak_anon_rss_loading_gb": loading.peak,
+    result = {"world_size": world, "dtype": args.dtype, "param_dtype": args.param_dtype,
+              "rss_before_load_gb": rss_before_load, "peak_anon_rss_loading_gb": loading.peak,
               "peak_rss_after_load_gb": peak_memory_gb(torch.device("cpu")),
               "load_seconds": load_seconds,
               "param_bytes_per_worker": sum(local_region(p)[0].numel() * p.element_size() for p in model.parameters())}

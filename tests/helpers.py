@@ -58,3 +58,32 @@ def _in_gloo_group(rank: int, world: int, port: int, fn, args) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+# Tiny random-weight configs of the architectures users fine-tune most (built locally: no download).
+# The vocabulary and special tokens are the embedded tokenizer's, so the embedded data trains them.
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=3, pad_token_id=0)
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"tie_word_embeddings": True, "head_dim": 16},
+    "mistral": {"sliding_window": None},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64, "tie_word_embeddings": True},
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64, "tie_word_embeddings": True},
+    "phi3": {},
+    "gpt_neox": {"rotary_pct": 0.5},
+}
+
+
+def tiny_checkpoint(architecture: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random-weight model of `architecture` with the embedded tokenizer, saved as fp32 safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (out / "config.json").exists():
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(architecture, **(TINY | ARCHITECTURES[architecture]))
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out

@@ -52,3 +52,34 @@ def test_adapter_is_gathered_from_every_shard_and_reloads_with_peft(embedded, tm
         assert torch.equal(params[name].detach(), whole), name
     # the second rank's half of lora_B is what a rank-0-only save would have lost
     assert all(shards[1][n].abs().sum() > 0 for n in lora_b)
+
+
+def _export_after_an_eval_forward(rank: int, world: int, model_path: str, out: str) -> None:
+    cfg = load_config(None, [f"model.path={model_path}", "model.dtype=float32", "fsdp.param_dtype=bfloat16",
+                             "fsdp.reshard_after_forward=false", "lora.dropout=0"])
+    model = shard_model(build_lora_model(cfg.model, cfg.lora, seed=0), build_device_mesh("cpu"), cfg.fsdp)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    ids = torch.randint(4, 300, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():  # what evaluation and sample generation do before the export
+        model(input_ids=ids)
+    registered = {n: str(p.dtype) for n, p in model.named_parameters() if p.requires_grad}
+    state = gather_trainable_state(model)
+    shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({"shards": shards, "registered": registered, "adapter": state}, f"{out}/export-rank{rank}.pt")
+
+
+def test_the_adapter_is_exported_from_the_fp32_shards_after_a_bf16_eval_forward(embedded, tmp_path):
+    """bf16 compute without resharding after forward: an eval forward leaves bf16 copies registered as
+    the parameters; the exported adapter must still be the fp32 master weights, bit for bit."""
+    run_ranks(_export_after_an_eval_forward, 2, str(embedded["model"]), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"export-rank{r}.pt") for r in range(2)]
+    assert "torch.bfloat16" in ranks[0]["registered"].values()  # the situation the export must survive
+    adapter = ranks[0]["adapter"]
+    assert adapter.keys() == ranks[0]["shards"].keys()
+    for name, value in adapter.items():
+        whole = torch.cat([ranks[0]["shards"][name], ranks[1]["shards"][name]])
+        assert value.dtype == torch.float32 and torch.equal(value, whole), name

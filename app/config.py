@@ -70,23 +70,35 @@ class FsdpSection(_Section):
 
 
 class DataSection(_Section):
-    """Training and eval data: where it is, its record format, and how Ray Data streams it."""
+    """Training and eval data: where it is, its record format, and how each pass over it is drawn."""
 
-    train_path: str = Field(".cache/embedded/data/train.jsonl", description="JSONL/Parquet file or directory, "
-                            "s3:// or gs:// URI, datasets save_to_disk directory, or hub dataset id")
+    train_path: str | list[str] = Field(
+        ".cache/embedded/data/train.jsonl", description="JSONL, JSON-array or Parquet file or directory, s3:// or "
+        "gs:// URI, datasets save_to_disk directory, or hub dataset id; a list of them is a mixture")
+    mixture_weights: list[float] | None = Field(
+        None, description="with a list of train sources: each one's share of every pass (e.g. [0.7, 0.3]), drawn "
+        "with repetition where a source is smaller than its share; None: in proportion to their sizes")
     eval_path: str | None = Field(None, description="held-out data; None holds out data.eval_fraction of the "
                                   "train set")
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of the train set held out when "
                                  "there is no data.eval_path")
     max_eval_rows: int = Field(512, gt=0, description="cap on the eval rows scored at each evaluation")
-    format: Literal["auto", "chat", "instruction", "prompt_completion"] = Field(
-        "auto", description="record format; auto detects it per record")
+    format: Literal["auto", "chat", "sharegpt", "instruction", "prompt_completion", "text"] = Field(
+        "auto", description="record format (see the README); auto detects it per record")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
+                                      "of the tokenizer's own (for base models that have none)")
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
     max_seq_len: int = Field(512, gt=1, description="rows are truncated and right-padded to this many tokens")
-    shuffle_buffer_rows: int = Field(256, ge=0, description="local shuffle buffer per worker; 0 disables")
+    shuffle: bool = Field(True, description="shuffle the whole train set at every pass, seeded by train.seed and "
+                          "the pass; false: every pass in file order")
     tokenizer_actors: int = Field(2, gt=0, description="most actors tokenizing in parallel (autoscaled from 1)")
-    cache_tokenized: bool = Field(True, description="tokenize the train set once and keep the rows in Ray's "
-                                                     "object store; false: re-read and re-tokenize every pass")
+    tokenize_in_driver_below: int = Field(50_000, ge=0, description="local train sources with fewer records are "
+                                          "tokenized by the driver, which skips starting tokenizer actors (~20 s "
+                                          "on a small machine); 0: always the actors")
+
+    @property
+    def train_paths(self) -> list[str]:
+        return [self.train_path] if isinstance(self.train_path, str) else list(self.train_path)
 
 
 class TrainSection(_Section):
@@ -159,6 +171,10 @@ class FinetuneConfig(_Section):
         if self.fsdp.param_dtype == "float16":
             raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "
                              "gradients underflow to zero): use bfloat16, float32 or auto")
+        weights = self.data.mixture_weights
+        if weights is not None and (len(weights) != len(self.data.train_paths) or min(weights) <= 0):
+            raise ValueError(f"data.mixture_weights={weights} must give one positive weight for each of the "
+                             f"{len(self.data.train_paths)} sources in data.train_path")
         mesh = self.scaling.mesh
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
@@ -269,13 +285,26 @@ def _absolute_if_local(path: str | None) -> str | None:
     return str(p.resolve()) if looks_local else path
 
 
+def _template_text(template: str | None) -> str | None:
+    """data.chat_template as the template itself: a file's contents travel to every worker with the config."""
+    if template is None or "{" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise UserInputError(f"data.chat_template={template}: neither a Jinja template (no '{{' in it) nor a file")
+    return path.read_text()
+
+
 def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     out_dir = Path(cfg.train.output_dir).expanduser().resolve()
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": _absolute_if_local(cfg.model.path)}),
-        "data": cfg.data.model_copy(update={"train_path": _absolute_if_local(cfg.data.train_path),
-                                            "eval_path": _absolute_if_local(cfg.data.eval_path)}),
+        "data": cfg.data.model_copy(update={
+            "train_path": (_absolute_if_local(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
+                           else [_absolute_if_local(p) for p in cfg.data.train_path]),
+            "eval_path": _absolute_if_local(cfg.data.eval_path),
+            "chat_template": _template_text(cfg.data.chat_template)}),
         "train": cfg.train.model_copy(update={"output_dir": str(out_dir),
                                               "run_name": cfg.train.run_name or default_run_name}),
         "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),

@@ -1,26 +1,37 @@
-"""The Ray Data pipeline: read -> format + tokenize (map_batches) -> fixed-length token rows.
+"""The Ray Data pipeline: read -> format + tokenize (an actor pool) -> fixed-length token rows, and the
+passes over them that the training workers read.
 
-The training set streams to the workers (Ray Train splits it with `streaming_split`). By default it is
-tokenized once, before training, and its token rows kept in Ray's object store (which spills to
-disk): every later pass only reads blocks. Re-running the read + tokenize pipeline on each pass
-(`data.cache_tokenized: false`) is for data the object store cannot hold; each pass then waits for
-the tokenizing actors to start. The eval set is small, capped at `data.max_eval_rows`, held in the
-object store and read whole by every worker.
+Each train source is tokenized once and its rows kept in Ray's object store (which spills to disk).
+Rows that no longer hold a target token after truncation are dropped there and counted. A
+`PassCoordinator` actor then builds every pass the same way for all ranks (app/passes.py): each
+source's share of rows, shuffled together with the pass's seed, split into equal shards in a
+deterministic order. The same seed, pass and worker count always give the same shards, so a restarted
+or resumed run sees the rest of an interrupted pass exactly once. The eval set is small (at most
+`data.max_eval_rows`), tokenized in the driver, held in the object store and read whole by every worker.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import ray
 import ray.data
+from ray.data.expressions import col
 
 from app.config import DataSection, ModelSection
-from app.datasource import DataSource, load_hf_disk
+from app.datasource import DataSource, load_hf_disk, read_json_array
 from app.formatting import tokenize_rows
 from app.model import load_tokenizer
+from app.passes import PassPlan, source_names
 
 
 def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:
     if source.kind == "jsonl":
         return ray.data.read_json(list(source.files) or source.location, lines=True)
+    if source.kind == "json_array":
+        return ray.data.from_items(read_json_array(source.location, data.format))
     if source.kind == "parquet":
         return ray.data.read_parquet(list(source.files) or source.location)
     if source.kind == "hf_disk":
@@ -38,35 +49,126 @@ class TokenizeRows:
     breaks every later task it runs (seen here after a worker was killed mid-run).
     """
 
-    def __init__(self, model: ModelSection, data: DataSection):
-        self.tokenizer = load_tokenizer(model)
-        self.data = data
+    def __init__(self, model: ModelSection, data: DataSection, source: int):
+        self.tokenizer = load_tokenizer(model, data.chat_template)
+        self.data, self.source = data, source
 
     def __call__(self, batch) -> dict:
-        return tokenize_rows(batch.to_pylist(), self.tokenizer, self.data.format, self.data.max_seq_len)
+        rows = tokenize_rows(batch.to_pylist(), self.tokenizer, self.data.format, self.data.max_seq_len)
+        rows["source"] = np.full(len(rows["targets"]), self.source, dtype=np.int64)
+        return rows
 
 
-def tokenized(ds: ray.data.Dataset, model: ModelSection, data: DataSection) -> ray.data.Dataset:
-    return ds.map_batches(TokenizeRows, fn_constructor_kwargs={"model": model, "data": data},
+def tokenized(ds: ray.data.Dataset, model: ModelSection, data: DataSection, source: int = 0) -> ray.data.Dataset:
+    return ds.map_batches(TokenizeRows, fn_constructor_kwargs={"model": model, "data": data, "source": source},
                           compute=ray.data.ActorPoolStrategy(min_size=1, max_size=data.tokenizer_actors),
                           batch_format="pyarrow", batch_size=256)
 
 
-def build_datasets(train: DataSource, eval_: DataSource | None, tokenizer, model: ModelSection,
-                   data: DataSection, seed: int) -> tuple[ray.data.Dataset, ray.data.Dataset]:
-    """(train, eval) datasets of token rows; without an eval source, a seeded split of the train set.
+@dataclass
+class TrainData:
+    sources: list[ray.data.MaterializedDataset]  # token rows of each source, rows without targets dropped
+    plan: PassPlan
+    dropped_rows: int  # rows whose every target token truncation cut off
 
-    The eval set (at most `data.max_eval_rows`) is tokenized here in the driver, which already holds
-    the tokenizer: starting a tokenizing actor for a few hundred rows would cost more than the work.
+
+def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, source: int) -> ray.data.Dataset:
+    """The same rows as `tokenized`, made here: for small data, cheaper than starting tokenizer actors."""
+    records = [r for b in ds.iter_batches(batch_format="pyarrow", batch_size=4096) for r in b.to_pylist()]
+    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
+    return ray.data.from_items([{"input_ids": ids, "labels": labels, "targets": int(targets), "source": source}
+                                for ids, labels, targets in zip(rows["input_ids"], rows["labels"], rows["targets"])])
+
+
+def build_train_data(sources: list[DataSource], records_hint: list[int], tokenizer, model: ModelSection,
+                     data: DataSection, seed: int, eval_fraction: float | None) -> tuple[TrainData, list]:
+    """Tokenize every source once; with `eval_fraction`, first hold that share of each out (returned raw).
+
+    `records_hint`: each source's record count as the driver's check found it (-1: unknown, remote).
     """
-    train_ds = read_records(train, data)
-    if eval_ is not None:
-        eval_ds = read_records(eval_, data)
-    else:
-        train_ds, eval_ds = train_ds.train_test_split(test_size=data.eval_fraction, shuffle=True, seed=seed)
+    token_rows, held_out, dropped = [], [], 0
+    for i, (source, records_count) in enumerate(zip(sources, records_hint)):
+        records = read_records(source, data)
+        if eval_fraction is not None:
+            records, eval_part = records.train_test_split(test_size=eval_fraction, shuffle=True, seed=seed)
+            held_out.append(eval_part)
+        if 0 <= records_count < data.tokenize_in_driver_below:
+            rows = tokenized_in_driver(records, tokenizer, data, i).materialize()
+        else:
+            rows = tokenized(records, model, data, i).materialize()
+        trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets"]).materialize()
+        dropped += rows.count() - trainable.count()
+        token_rows.append(trainable)
+    plan = PassPlan(source_names([s.location for s in sources]), tuple(ds.count() for ds in token_rows),
+                    tuple(data.mixture_weights) if data.mixture_weights else None, seed)
+    return TrainData(token_rows, plan, dropped), held_out
+
+
+def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[ray.data.Dataset, int]:
+    """(eval token rows, how many were dropped for having no target): tokenized here in the driver, which
+    holds the tokenizer already; starting a tokenizing actor for a few hundred rows costs more."""
+    eval_ds = sources[0] if len(sources) == 1 else sources[0].union(*sources[1:])
     records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
-    eval_rows = ray.data.from_items([{"input_ids": ids, "labels": labels}
-                                     for ids, labels in zip(rows["input_ids"], rows["labels"])])
-    train_rows = tokenized(train_ds, model, data)
-    return (train_rows.materialize() if data.cache_tokenized else train_rows), eval_rows
+    kept = [{"input_ids": ids, "labels": labels}
+            for ids, labels, targets in zip(rows["input_ids"], rows["labels"], rows["targets"]) if targets > 0]
+    return ray.data.from_items(kept), len(records) - len(kept)
+
+
+def build_pass(train: TrainData, epoch: int, world_size: int, shuffle: bool) -> list[ray.data.MaterializedDataset]:
+    """One pass: each source's rows for it, shuffled together, in `world_size` equal shards."""
+    parts, plan = [], train.plan
+    for i, (rows, wanted) in enumerate(zip(train.sources, plan.rows_per_pass())):
+        copies = plan.copies_needed(i)
+        part = rows if copies == 1 else rows.union(*[rows] * (copies - 1))
+        if wanted < plan.rows[i] * copies:  # a sample of the source (of its repeats): a seeded one
+            part = (part.random_shuffle(seed=plan.source_seed(epoch, i)) if shuffle else part).limit(wanted)
+        parts.append(part)
+    mixed = parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+    if shuffle:
+        mixed = mixed.random_shuffle(seed=train.plan.pass_seed(epoch))
+    return mixed.split(world_size, equal=True)
+
+
+@ray.remote(num_cpus=0)
+class PassCoordinator:
+    """Builds each pass once for all ranks (and the next one ahead), keeps the last two.
+
+    Created by the driver, so it outlives restarted worker groups, which get the same shards again.
+    """
+
+    def __init__(self, train: TrainData, world_size: int, shuffle: bool):
+        self.train, self.world_size, self.shuffle = train, world_size, shuffle
+        self._lock = threading.Lock()
+        self._ready: dict[int, threading.Event] = {}
+        self._built: dict[int, list | BaseException] = {}
+        self._start(0)
+
+    def _start(self, epoch: int) -> threading.Event:
+        with self._lock:
+            if epoch not in self._ready:
+                self._ready[epoch] = threading.Event()
+                threading.Thread(target=self._build, args=(epoch,), daemon=True).start()
+            return self._ready[epoch]
+
+    def _build(self, epoch: int) -> None:
+        try:
+            self._built[epoch] = build_pass(self.train, epoch, self.world_size, self.shuffle)
+        except BaseException as e:  # handed to the rank that asks for this pass
+            self._built[epoch] = e
+        self._ready[epoch].set()
+
+    def shard(self, epoch: int, rank: int) -> ray.data.MaterializedDataset:
+        self._start(epoch).wait()
+        built = self._built[epoch]
+        if isinstance(built, BaseException):
+            raise built
+        self._start(epoch + 1)
+        with self._lock:
+            for old in [e for e in self._built if e < epoch - 1]:
+                del self._built[old]
+        return built[rank]
+
+
+def start_pass_coordinator(train: TrainData, world_size: int, shuffle: bool):
+    return PassCoordinator.options(max_concurrency=world_size + 2).remote(train, world_size, shuffle)

@@ -1,7 +1,8 @@
 """Where training data comes from, and a check of it before any cluster time is spent.
 
-Kinds of source: JSONL files, Parquet files (a local path or any URI pyarrow reads: s3://, gs://, ...),
-a `datasets` dataset written with `save_to_disk`, or a Hugging Face hub dataset id.
+Kinds of source: JSONL files, JSON files holding one array of records (Alpaca style), Parquet files
+(a local path or any URI pyarrow reads: s3://, gs://, ...), a `datasets` dataset written with
+`save_to_disk`, or a Hugging Face hub dataset id.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ PARQUET_SUFFIXES = (".parquet",)
 
 @dataclass(frozen=True)
 class DataSource:
-    kind: str  # "jsonl" | "parquet" | "hf_disk" | "hf_hub"
+    kind: str  # "jsonl" | "json_array" | "parquet" | "hf_disk" | "hf_hub"
     location: str  # a file, a directory, a URI or a hub id
     files: tuple[str, ...] = ()  # the local files, for jsonl and parquet on local disk
 
@@ -34,7 +35,7 @@ def resolve_source(location: str, key: str = "data.train_path") -> DataSource:
     path = Path(location)
     if path.is_file():
         if path.suffix in JSONL_SUFFIXES:
-            return DataSource("jsonl", location, (location,))
+            return DataSource("json_array" if _holds_an_array(path) else "jsonl", location, (location,))
         if path.suffix in PARQUET_SUFFIXES:
             return DataSource("parquet", location, (location,))
         raise UserInputError(f"{key}={location}: unsupported file type '{path.suffix}'; use .jsonl or .parquet")
@@ -43,6 +44,10 @@ def resolve_source(location: str, key: str = "data.train_path") -> DataSource:
             return DataSource("hf_disk", location)
         for kind, suffixes in (("jsonl", JSONL_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
             files = sorted(str(p) for p in path.rglob("*") if p.suffix in suffixes)
+            arrays = [f for f in files if kind == "jsonl" and _holds_an_array(Path(f))]
+            if arrays:
+                raise UserInputError(f"{key}={location}: {arrays[0]} holds a JSON array; name JSON-array files one "
+                                     "by one (a list of data.train_path sources), or convert them to JSON lines")
             if files:
                 return DataSource(kind, location, tuple(files))
         raise UserInputError(f"{key}={location}: the directory holds no .jsonl or .parquet files "
@@ -53,6 +58,13 @@ def resolve_source(location: str, key: str = "data.train_path") -> DataSource:
                          "for the embedded demo data run `make embedded`")
 
 
+def _holds_an_array(path: Path) -> bool:
+    """A .json file whose first character (after white space) opens a JSON array."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head[:1] == b"["
+
+
 def check_source(source: DataSource, fmt: str, key: str = "data.train_path", split: str = "train") -> int:
     """Validate every local record (JSONL) or the schema (Parquet, datasets); return the row count.
 
@@ -61,6 +73,8 @@ def check_source(source: DataSource, fmt: str, key: str = "data.train_path", spl
     """
     if source.kind == "jsonl" and source.files:
         rows = sum(_check_jsonl(f, fmt) for f in source.files)
+    elif source.kind == "json_array":
+        rows = len(read_json_array(source.location, fmt))
     elif source.kind == "parquet" and source.files:
         rows = sum(_check_parquet(f, fmt) for f in source.files)
     elif source.kind == "hf_disk":
@@ -74,8 +88,9 @@ def check_source(source: DataSource, fmt: str, key: str = "data.train_path", spl
 
 def _check_jsonl(file: str, fmt: str) -> int:
     rows = 0
-    with open(file, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(file, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            line = _utf8(raw, f"{file}:{line_no}")
             if not line.strip():
                 continue
             try:
@@ -88,6 +103,31 @@ def _check_jsonl(file: str, fmt: str) -> int:
                 raise UserInputError(f"{file}:{line_no}: {e}; see data.format in the README") from None
             rows += 1
     return rows
+
+
+def read_json_array(file: str, fmt: str) -> list[dict]:
+    """The records of a JSON file holding one array, each checked; errors name the file and the index."""
+    text = _utf8(Path(file).read_bytes(), file)
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserInputError(f"{file}:{e.lineno}: not valid JSON ({e.msg}); fix the file") from None
+    if not isinstance(records, list):
+        raise UserInputError(f"{file}: expected a JSON array of records or one JSON object per line")
+    for i, record in enumerate(records):
+        try:
+            detect_format(record, fmt)
+        except ValueError as e:
+            raise UserInputError(f"{file}: record [{i}]: {e}; see data.format in the README") from None
+    return records
+
+
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserInputError(f"{where}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                             "convert the file to UTF-8") from None
 
 
 def _check_columns(columns: list[str], fmt: str, where: str) -> None:

@@ -5,9 +5,12 @@ tests and the adapter-reload check call them directly.
 
 Supported record formats (one per record; `data.format=auto` detects it):
   chat               {"messages": [{"role": "user"|"system"|"assistant", "content": str}, ...]}
-  instruction        {"instruction": str, "input": str (optional), "output": str}
+  sharegpt           {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}
+  instruction        {"instruction": str, "input": str (optional), "output": str}   (Alpaca)
   prompt_completion  {"prompt": str, "completion": str}
-Only assistant / output / completion tokens are trained on; everything else gets label -100.
+  text               {"text": str}   (continued pretraining: every token carries loss)
+In the conversational formats only assistant / gpt / output / completion tokens are trained on;
+everything else gets label -100.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from app.errors import UserInputError
+
 IGNORE_INDEX = -100
-FORMAT_FIELDS = {"chat": ("messages",), "instruction": ("instruction", "output"),
-                 "prompt_completion": ("prompt", "completion")}
+FORMAT_FIELDS = {"chat": ("messages",), "sharegpt": ("conversations",), "instruction": ("instruction", "output"),
+                 "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 PLAIN_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
@@ -37,6 +43,8 @@ def detect_format(record: Any, wanted: str = "auto") -> str:
 
 
 def _check_fields(record: dict, fmt: str) -> None:
+    if fmt == "sharegpt":
+        return _check_fields({"messages": as_messages(record, fmt)}, "chat")
     if fmt != "chat":
         for f in FORMAT_FIELDS[fmt] + (("input",) if fmt == "instruction" else ()):
             if f in record and not isinstance(record[f], str):
@@ -55,6 +63,19 @@ def _check_fields(record: dict, fmt: str) -> None:
 def as_messages(record: dict, fmt: str) -> list[dict]:
     if fmt == "chat":
         return record["messages"]
+    if fmt == "sharegpt":
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'conversations' must be a non-empty list")
+        messages = []
+        for i, turn in enumerate(turns):
+            if not (isinstance(turn, dict) and all(isinstance(turn.get(k), str) for k in ("from", "value"))):
+                raise ValueError(f"conversations[{i}] needs string fields 'from' and 'value'")
+            if turn["from"] not in SHAREGPT_ROLES:
+                raise ValueError(f"conversations[{i}]: 'from' is {turn['from']!r}; expected one of "
+                                 f"{', '.join(SHAREGPT_ROLES)}")
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+        return messages
     if fmt == "instruction":
         user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
@@ -86,8 +107,20 @@ def prompt_and_target_segments(tokenizer, messages: list[dict]) -> list[tuple[st
     return segments
 
 
+def tokenize_text(tokenizer, text: str, max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Plain text: the tokenizer's own special tokens around it, every token a target."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
+        ids = [tokenizer.bos_token_id] + ids
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    return ids[:max_seq_len], ids[:max_seq_len]
+
+
 def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tuple[list[int], list[int]]:
     """input_ids and labels (prompt tokens masked), truncated to max_seq_len, unpadded."""
+    if fmt == "text":
+        return tokenize_text(tokenizer, record["text"], max_seq_len)
     segments = prompt_and_target_segments(tokenizer, as_messages(record, fmt))
     ids: list[int] = []
     labels: list[int] = []
@@ -104,7 +137,8 @@ def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tupl
 
 
 def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) -> dict[str, np.ndarray]:
-    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100.
+    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100, and
+    `targets`, each row's number of tokens that carry loss (0 when truncation cut every target off).
 
     Right padding needs no attention mask: under the causal mask a real token never attends to a
     later pad, and pads carry no loss.
@@ -116,4 +150,18 @@ def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) ->
         ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt), max_seq_len)
         input_ids[row, : len(ids)] = ids
         labels[row, : len(labs)] = labs
-    return {"input_ids": input_ids, "labels": labels}
+    targets = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)  # labels are shifted: position 0 never counts
+    return {"input_ids": input_ids, "labels": labels, "targets": targets}
+
+
+def check_chat_template(tokenizer, where: str) -> None:
+    """A chat template that cannot render a plain conversation fails here, in the driver, not in a worker."""
+    if not tokenizer.chat_template:
+        return
+    conversation = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello."}]
+    try:
+        prompt_and_target_segments(tokenizer, conversation)
+    except Exception as e:  # jinja2's errors, or ours for a template that does not render prefix by prefix
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"{where}: its chat template cannot render a user/assistant conversation: {first}") \
+            from None

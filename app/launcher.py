@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
-from dataclasses import dataclass
 
 import ray
 import ray.train
@@ -19,37 +19,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from app import console, tracking
 from app.config import FinetuneConfig
-from app.data import build_datasets
-from app.datasource import DataSource, check_source, resolve_source
+from app.data import TrainData, build_eval_rows, build_train_data, read_records, start_pass_coordinator
 from app.errors import UserInputError
-from app.model import check_lora_targets, check_model_source, load_tokenizer
+from app.inputs import CheckedInputs, check_inputs, with_loadable_model
 from app.sharding import process_group_backend
 from app.worker import FAULT_ENV, WorkerLaunch, train_worker
-
-
-@dataclass(frozen=True)
-class CheckedInputs:
-    train: DataSource
-    eval: DataSource | None
-    train_rows: int
-    eval_rows: int
-    tokenizer: object
-
-
-def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
-    """Every check that needs no cluster: model path, tokenizer, LoRA targets, data files and records."""
-    check_model_source(cfg.model)
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first}") from None
-    train = resolve_source(cfg.data.train_path, "data.train_path")
-    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
-    train_rows = check_source(train, cfg.data.format, "data.train_path", cfg.data.split)
-    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
-    check_lora_targets(cfg.model, cfg.lora)
-    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
 
 
 def mlflow_run_to_resume(cfg: FinetuneConfig, resume: bool) -> str | None:
@@ -115,19 +89,35 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
         "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or tracking.git_commit(),
         "ray.job_submission_id": job_config.get("metadata", {}).get("job_submission_id"),
         "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
-        "data.train_path": cfg.data.train_path,
+        "data.train_path": ", ".join(cfg.data.train_paths),
     }
 
 
-def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_start_time: float,
-                  verbose: bool = False) -> TorchTrainer:
+def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, ray.data.Dataset, dict[str, float]]:
+    """Token rows of every train source, the eval rows, and what was dropped: rows that truncation to
+    data.max_seq_len left without a target token are not trained on (a NaN-loss step otherwise)."""
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
-    train_ds, eval_ds = build_datasets(inputs.train, inputs.eval, inputs.tokenizer, cfg.model, cfg.data,
-                                       cfg.train.seed)
+    train, held_out = build_train_data(inputs.train, inputs.train_rows, inputs.tokenizer, cfg.model, cfg.data,
+                                       cfg.train.seed, None if inputs.eval else cfg.data.eval_fraction)
+    eval_sources = [read_records(inputs.eval, cfg.data)] if inputs.eval else held_out
+    eval_rows, eval_dropped = build_eval_rows(eval_sources, inputs.tokenizer, cfg.data)
+    if train.dropped_rows or eval_dropped:
+        print(f"warning: {train.dropped_rows} train and {eval_dropped} eval records have no target token left "
+              f"after truncation to data.max_seq_len={cfg.data.max_seq_len}; they are left out",
+              file=sys.stderr, flush=True)
+    stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped}
+    stats |= {f"data_pass_rows/{name}": rows for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
+    return train, eval_rows, stats
+
+
+def build_trainer(cfg: FinetuneConfig, train: TrainData, eval_rows: ray.data.Dataset, run_id: str,
+                  job_start_time: float, verbose: bool = False) -> TorchTrainer:
+    passes = start_pass_coordinator(train, cfg.scaling.num_workers, cfg.data.shuffle)
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
     return TorchTrainer(
-        functools.partial(train_worker, WorkerLaunch(cfg, run_id, job_start_time)),
+        functools.partial(train_worker, launch),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
@@ -137,8 +127,8 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, run_id: str, job_s
             worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
         torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),
-        datasets={"train": train_ds, "eval": eval_ds},
-        dataset_config=DataConfig(datasets_to_split=["train"]),
+        datasets={"eval": eval_rows},  # not split: every rank scores the whole eval set
+        dataset_config=DataConfig(datasets_to_split=[]),
     )
 
 
@@ -150,19 +140,22 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     """
     t0, job_start_time = time.perf_counter(), time.time()
     inputs = check_inputs(cfg)
+    cfg = with_loadable_model(cfg)
     run_id = mlflow_run_to_resume(cfg, resume)
     init_ray(verbose)
     check_placement(cfg)
     if run_id is None:
-        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": inputs.train_rows,
+        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
                                                         "data.eval_rows": inputs.eval_rows},
-                                    {"train": inputs.train, "eval": inputs.eval})
+                                    [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
         cfg.run_dir.write_record(run_id)
     else:
         tracking.reopen_run(cfg.mlflow.tracking_uri, run_id)
     status = "FAILED"
     try:
-        build_trainer(cfg, inputs, run_id, job_start_time, verbose).fit()
+        train, eval_rows, data_stats = build_data(cfg, inputs)
+        tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats)
+        build_trainer(cfg, train, eval_rows, run_id, job_start_time, verbose).fit()
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
         status = "KILLED"

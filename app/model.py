@@ -65,13 +65,16 @@ def check_lora_targets(model: ModelSection, lora: LoraSection) -> None:
                              f"its linear layers are {linear}")
 
 
-def load_tokenizer(model: ModelSection):
+def load_tokenizer(model: ModelSection, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (data.chat_template) replaces its own template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model.path, revision=model.revision,
                                               trust_remote_code=model.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

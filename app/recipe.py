@@ -65,18 +65,22 @@ class FinetuneRecipe:
 
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
+    With several `source_names` (a data mixture), batches carry each row's source, and the share of
+    rows each source has given so far is logged as `data_share/<name>`.
     """
 
     def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
                  checkpoints: CheckpointStore | None = None, adapter_dir: Path | None = None,
-                 job_start_time: float | None = None):
+                 job_start_time: float | None = None, source_names: tuple[str, ...] = ()):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.adapter_dir = checkpoints, adapter_dir
         self.job_start_time = job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
+        self.source_names = source_names if len(source_names) > 1 else ()
+        self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
 
     def setup(self) -> None:
         ctx = self.ctx
@@ -84,7 +88,7 @@ class FinetuneRecipe:
         self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
                                  "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
         torch.manual_seed(cfg.train.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
                                               build_device_mesh(ctx.device.type, cfg.scaling.mesh),
                                               cfg.train.seed, ctx.device)
@@ -153,16 +157,26 @@ class FinetuneRecipe:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        step_totals = torch.stack([loss_sum, _real_tokens(micro_batches, self.tokenizer.pad_token_id)])
-        dist.all_reduce(step_totals)  # global loss sum and non-pad token count
-        loss_total, tokens, target_tokens, grad_norm = torch.cat(  # the step's one device-to-host sync
+        step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches, self.tokenizer.pad_token_id)]),
+                                 self._rows_per_source(micro_batches).to(ctx.device)])
+        dist.all_reduce(step_totals)  # global loss sum, non-pad token count, rows of each source
+        loss_total, tokens, *source_rows, target_tokens, grad_norm = torch.cat(  # the step's one host sync
             [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
         self.train_loss = loss_total / target_tokens
         seconds = time.perf_counter() - t0
         self.meter.add(tokens, seconds, data_wait)
+        self.rows_per_source += torch.tensor(source_rows, dtype=torch.float64)
+        shares = {f"data_share/{name}": (rows / self.rows_per_source.sum()).item()
+                  for name, rows in zip(self.source_names, self.rows_per_source)}
         return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
                 "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
-                "data_wait_seconds": data_wait}
+                "data_wait_seconds": data_wait, **shares}
+
+    def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
+        n = len(self.source_names)
+        if not n:
+            return torch.zeros(0, dtype=torch.float64)
+        return sum(torch.bincount(b["source"].long(), minlength=n) for b in micro_batches).double()
 
     def evaluate(self) -> float:
         return evaluate_loss(self.model, self.eval_pass, self.ctx)

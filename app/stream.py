@@ -46,4 +46,6 @@ class ShardStream:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: torch.as_tensor(batch[k]).to(device, non_blocking=True) for k in ("input_ids", "labels")}
+    """The model's inputs on `device`; each row's data source (a mixture's) stays where it is."""
+    moved = {k: torch.as_tensor(batch[k]).to(device, non_blocking=True) for k in ("input_ids", "labels")}
+    return moved | ({"source": torch.as_tensor(batch["source"])} if "source" in batch else {})

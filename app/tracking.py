@@ -50,7 +50,7 @@ def get_or_create_experiment(client: MlflowClient, name: str, output: OutputDir)
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: dict[str, object],
-              datasets: dict[str, DataSource | None] | None = None) -> str:
+              datasets: list[tuple[str, DataSource | None]] = ()) -> str:
     """Create the job's run with the resolved config as params and as an artifact, and the data as
     dataset inputs; a sweep's run is tagged with the sweep and nested under its parent run."""
     cfg.output.root.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,7 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
     client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
-    inputs = [dataset_input(source, context) for context, source in (datasets or {}).items() if source is not None]
+    inputs = [dataset_input(source, context) for context, source in datasets if source is not None]
     if inputs:
         client.log_inputs(run.info.run_id, datasets=inputs)
     return run.info.run_id
@@ -102,6 +102,15 @@ def finish_run(tracking_uri: str, run_id: str, status: str, attempts: int = 5) -
                 raise
             log.warning("MLflow: could not end run %s as %s (%s); retrying", run_id, status, str(e)[:200])
             time.sleep(2.0 * (attempt + 1))
+
+
+def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]) -> None:
+    """Figures the driver knows before training (data counts), at step 0; a failure only warns."""
+    now = int(time.time() * 1000)
+    try:
+        MlflowClient(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+    except Exception as e:
+        log.warning("MLflow: could not log %s (%s)", ", ".join(metrics), str(e).splitlines()[0][:200])
 
 
 def reopen_run(tracking_uri: str, run_id: str) -> None:

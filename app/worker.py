@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
 import ray.train
 import ray.train.torch
 
@@ -55,24 +56,25 @@ class RayCheckpoints:
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """What the driver hands every worker: the validated config and the MLflow run to log to."""
+    """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
+    that gives each rank its shard of every pass over the training data (app.data.PassCoordinator)."""
 
     config: FinetuneConfig
     mlflow_run_id: str
     job_start_time: float
+    passes: ray.actor.ActorHandle
+    source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
 
 
 def train_worker(launch: WorkerLaunch) -> None:
     cfg = launch.config
     context = ray.train.get_context()
     ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
-    train_shard = ray.train.get_dataset_shard("train")
     eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
 
     def train_pass(epoch: int):
-        return train_shard.iter_torch_batches(
-            batch_size=cfg.train.micro_batch_size, local_shuffle_buffer_size=cfg.data.shuffle_buffer_rows or None,
-            local_shuffle_seed=cfg.train.seed + 1000 * epoch + ctx.rank)
+        shard = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
+        return shard.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
@@ -82,7 +84,7 @@ def train_worker(launch: WorkerLaunch) -> None:
                if ctx.is_main else NoTracking())
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
-                       run_dir.adapter, launch.job_start_time).train()
+                       run_dir.adapter, launch.job_start_time, launch.source_names).train()
     finally:
         if ctx.is_main:
             tracker.close()

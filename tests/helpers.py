@@ -12,9 +12,9 @@ from app.config import FinetuneConfig, load_config
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
 
-# Settings of the short runs the e2e and fault tests compare: every step logged, no shuffle buffer.
+# Settings of the short runs the e2e and fault tests compare: every step logged.
 SHORT_RUN = ["train.max_steps=30", "train.checkpoint_every=6", "train.eval_every=15", "train.log_every=1",
-             "train.warmup_steps=2", "data.shuffle_buffer_rows=0"]
+             "train.warmup_steps=2"]
 
 
 def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> FinetuneConfig:

@@ -89,7 +89,7 @@ def test_one_and_two_workers_give_the_same_loss_curve(ray_cluster, embedded, tmp
     data = write_jsonl(tmp_path / "one_batch.jsonl", rows)
     common = [f"data.train_path={data}", "train.global_batch_size=8", "train.micro_batch_size=4",
               "train.max_steps=6", "train.eval_every=6", "train.log_every=1", "lora.dropout=0",
-              "train.warmup_steps=0", "data.shuffle_buffer_rows=0"]
+              "train.warmup_steps=0"]
     one = run_finetune(make_config(tmp_path / "w1", embedded, *common, "scaling.num_workers=1"))
     two = run_finetune(make_config(tmp_path / "w2", embedded, *common, "scaling.num_workers=2"))
     curve_one, curve_two = _loss_curve(one), _loss_curve(two)

@@ -108,7 +108,7 @@ def test_a_run_records_its_data_as_dataset_inputs_and_its_sweep(mlflow_server, e
     parent = _new_run(uri)
     cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"parent_run_id": parent})})
     train, eval_ = resolve_source(cfg.data.train_path), resolve_source(cfg.data.eval_path)
-    run_id = tracking.start_run(cfg, {"base_model": cfg.model.path}, {}, {"train": train, "eval": eval_})
+    run_id = tracking.start_run(cfg, {"base_model": cfg.model.path}, {}, [("train", train), ("eval", eval_)])
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.tags["sweep"] == "s1" and run.data.tags["mlflow.parentRunId"] == parent
     inputs = {d.tags[0].value: d.dataset for d in run.inputs.dataset_inputs}

@@ -81,3 +81,30 @@ def test_the_config_reference_in_docs_matches_the_code():
     from app.config_reference import main
 
     assert main(["--check"]) == 0, "run `make docs` and commit docs/config.md"
+
+
+def test_a_mixture_needs_one_positive_weight_per_source(tmp_path):
+    two = ["data.train_path=[a.jsonl, b.jsonl]"]
+    cfg = load_config(EMBEDDED_CONFIG, [*two, "data.mixture_weights=[0.7, 0.3]"])
+    assert cfg.data.train_paths[1].endswith("b.jsonl") and cfg.data.mixture_weights == [0.7, 0.3]
+    for weights in ("[1.0]", "[1.0, 0]"):
+        with pytest.raises(UserInputError, match=r"data.mixture_weights=.* must give one positive weight for each of "
+                                                 r"the 2 sources"):
+            load_config(EMBEDDED_CONFIG, [*two, f"data.mixture_weights={weights}"])
+
+
+def test_fp16_compute_without_loss_scaling_is_refused_and_auto_resolves_by_hardware():
+    with pytest.raises(UserInputError, match="fsdp.param_dtype=float16 needs loss scaling"):
+        load_config(EMBEDDED_CONFIG, ["fsdp.param_dtype=float16"])
+    cfg = load_config(EMBEDDED_CONFIG)
+    assert (cfg.model.dtype, cfg.fsdp.param_dtype) == ("auto", "auto")
+    assert cfg.with_dtypes_resolved(fast_bf16=True).fsdp.param_dtype == "bfloat16"
+    assert cfg.with_dtypes_resolved(fast_bf16=False).model.dtype == "float32"
+
+
+def test_a_chat_template_file_travels_as_its_text(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_config(EMBEDDED_CONFIG, [f"data.chat_template={template}"]).data.chat_template == template.read_text()
+    with pytest.raises(UserInputError, match="data.chat_template=nope.jinja: neither a Jinja template"):
+        load_config(EMBEDDED_CONFIG, ["data.chat_template=nope.jinja"])

@@ -1,5 +1,7 @@
 """The data check that runs in the driver before any worker starts."""
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -47,9 +49,34 @@ def test_bad_jsonl_is_named_by_file_and_line(tmp_path, lines, message):
 def test_missing_path_and_wrong_columns(tmp_path):
     with pytest.raises(UserInputError, match="data.train_path=.*nope.jsonl: no such file or directory"):
         resolve_source(str(tmp_path / "nope.jsonl"))
-    pq.write_table(pa.table({"text": ["t"]}), tmp_path / "c.parquet")
-    with pytest.raises(UserInputError, match=r"c.parquet: columns \['text'\] lack the fields"):
+    pq.write_table(pa.table({"question": ["t"]}), tmp_path / "c.parquet")
+    with pytest.raises(UserInputError, match=r"c.parquet: columns \['question'\] lack the fields"):
         _check(tmp_path / "c.parquet")
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UserInputError, match="unsupported file type '.txt'"):
         resolve_source(str(tmp_path / "notes.txt"))
+
+
+def test_alpaca_json_arrays_and_sharegpt_records_are_checked_record_by_record(tmp_path):
+    alpaca = tmp_path / "alpaca_data.json"
+    alpaca.write_text(json.dumps([{"instruction": "i", "input": "", "output": "o"}] * 3))
+    assert resolve_source(str(alpaca)).kind == "json_array" and _check(alpaca) == 3
+    alpaca.write_text(json.dumps([{"instruction": "i", "output": "o"}, {"instruction": "i"}]))
+    with pytest.raises(UserInputError, match=r"alpaca_data.json: record \[1\]: record needs fields"):
+        _check(alpaca)
+    sharegpt = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "q"},
+                                                                       {"from": "gpt", "value": "a"}]},
+                                                   {"conversations": [{"from": "robot", "value": "q"}]}])
+    with pytest.raises(UserInputError, match=r"sg.jsonl:2: conversations\[0\]: 'from' is 'robot'; expected one of"):
+        _check(sharegpt)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.json").write_text("[]")
+    with pytest.raises(UserInputError, match="holds a JSON array; name JSON-array files one by one"):
+        resolve_source(str(tmp_path / "dir"))
+
+
+def test_a_file_that_is_not_utf8_is_named_by_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps(chat("q", "a")).encode() + b"\n" + '{"text": "caf\xe9"}'.encode("latin-1") + b"\n")
+    with pytest.raises(UserInputError, match=r"latin1.jsonl:2: not UTF-8 text .* convert the file to UTF-8"):
+        _check(bad)

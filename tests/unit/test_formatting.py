@@ -4,7 +4,10 @@ import copy
 
 import pytest
 
-from app.formatting import IGNORE_INDEX, detect_format, tokenize_record, tokenize_rows
+from app.config import ModelSection
+from app.errors import UserInputError
+from app.formatting import IGNORE_INDEX, check_chat_template, detect_format, tokenize_record, tokenize_rows
+from app.model import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ def test_rows_are_padded_and_truncated_to_max_seq_len(tokenizer):
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"text": "hi"}, "record needs fields messages or instruction+output or prompt+completion (has: text)"),
+    ({"body": "hi"}, "record needs fields messages or conversations or instruction+output or prompt+completion or "
+                     "text (has: body)"),
     ({"messages": []}, "'messages' must be a non-empty list"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
     ({"messages": [{"role": "user"}]}, "messages[0] needs string fields 'role' and 'content'"),
@@ -72,3 +76,32 @@ def test_a_forced_format_only_accepts_that_format():
     assert detect_format({"prompt": "a", "completion": "b"}) == "prompt_completion"
     with pytest.raises(ValueError, match="needs fields messages"):
         detect_format({"prompt": "a", "completion": "b"}, "chat")
+
+
+def test_sharegpt_conversations_train_on_the_gpt_turns(tokenizer):
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Write 12."},
+                                  {"from": "gpt", "value": "twelve"}]}
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write 12."},
+                         {"role": "assistant", "content": "twelve"}]}
+    assert detect_format(sharegpt) == "sharegpt"
+    assert tokenize_record(tokenizer, sharegpt, "sharegpt", 64) == tokenize_record(tokenizer, chat, "chat", 64)
+
+
+def test_plain_text_trains_on_every_token(tokenizer):
+    ids, labels = tokenize_record(tokenizer, {"text": "347 is written three hundred forty-seven."}, "text", 64)
+    assert ids == labels and ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "347 is written three hundred forty-seven."
+    one, _ = tokenize_record(tokenizer, {"text": "one"}, "text", 16)
+    assert tokenize_rows([{"text": "one"}], tokenizer, "auto", 16)["targets"].tolist() == [len(one) - 1]
+
+
+def test_a_config_chat_template_replaces_the_tokenizers_own(embedded):
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tokenizer = load_tokenizer(ModelSection(path=str(embedded["model"])), template)
+    ids, labels = tokenize_record(tokenizer, {"prompt": "Write 5.", "completion": "five"}, "prompt_completion", 64)
+    assert tokenizer.decode(ids) == "[user] Write 5.\n[assistant] five\n"
+    assert tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == "five\n"
+    broken = load_tokenizer(ModelSection(path=str(embedded["model"])), "{% for m in messages %}{{ m.nope() }}")
+    with pytest.raises(UserInputError, match="data.chat_template: its chat template cannot render"):
+        check_chat_template(broken, "data.chat_template")

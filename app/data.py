@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import ray
 import ray.data
 from ray.data.expressions import col
@@ -76,8 +77,20 @@ def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, sour
     """The same rows as `tokenized`, made here: for small data, cheaper than starting tokenizer actors."""
     records = [r for b in ds.iter_batches(batch_format="pyarrow", batch_size=4096) for r in b.to_pylist()]
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
-    return ray.data.from_items([{"input_ids": ids, "labels": labels, "targets": int(targets), "source": source}
-                                for ids, labels, targets in zip(rows["input_ids"], rows["labels"], rows["targets"])])
+    return rows_dataset(rows | {"source": np.full(len(records), source, dtype=np.int64)})
+
+
+def rows_dataset(rows: dict[str, np.ndarray], block_rows: int = 4096) -> ray.data.Dataset:
+    """Token rows as a Dataset of tensor columns (what map_batches makes of numpy arrays), in blocks of
+    `block_rows`: batches then reach torch without a per-row conversion."""
+    from ray.data.extensions import ArrowTensorArray
+
+    def column(values: np.ndarray):
+        return ArrowTensorArray.from_numpy(values) if values.ndim > 1 else pa.array(values)
+
+    count = len(next(iter(rows.values())))
+    return ray.data.from_arrow([pa.table({k: column(v[i:i + block_rows]) for k, v in rows.items()})
+                                for i in range(0, max(count, 1), block_rows)])
 
 
 def build_train_data(sources: list[DataSource], records_hint: list[int], tokenizer, model: ModelSection,
@@ -110,9 +123,8 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     eval_ds = sources[0] if len(sources) == 1 else sources[0].union(*sources[1:])
     records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
-    kept = [{"input_ids": ids, "labels": labels}
-            for ids, labels, targets in zip(rows["input_ids"], rows["labels"], rows["targets"]) if targets > 0]
-    return ray.data.from_items(kept), len(records) - len(kept)
+    keep = rows["targets"] > 0
+    return rows_dataset({"input_ids": rows["input_ids"][keep], "labels": rows["labels"][keep]}), int((~keep).sum())
 
 
 def build_pass(train: TrainData, epoch: int, world_size: int, shuffle: bool) -> list[ray.data.MaterializedDataset]:

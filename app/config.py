@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -15,10 +16,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app import paths
 from app.errors import UserInputError
 from app.layout import OutputDir, RunDir
 
 DType = Literal["bfloat16", "float16", "float32"]
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 AutoDType = Literal["auto", "bfloat16", "float16", "float32"]  # auto: resolved on the workers (app/hardware.py)
 
 
@@ -168,6 +171,10 @@ class FinetuneConfig(_Section):
         if self.fsdp.cpu_offload and not self.scaling.use_gpu:
             raise ValueError("fsdp.cpu_offload=true moves GPU state to host memory; with scaling.use_gpu=false "
                              "everything is in host memory already: set fsdp.cpu_offload=false")
+        name = self.train.run_name
+        if name is not None and (not RUN_NAME.fullmatch(name) or name in (".", "..")):
+            raise ValueError(f"train.run_name={name}: use letters, digits, '.', '_' and '-' only (it names a "
+                             "directory, an MLflow run and a Ray job)")
         if self.fsdp.param_dtype == "float16":
             raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "
                              "gradients underflow to zero): use bfloat16, float32 or auto")
@@ -195,7 +202,7 @@ class FinetuneConfig(_Section):
 
     @property
     def output(self) -> OutputDir:
-        return OutputDir(Path(self.train.output_dir))
+        return OutputDir(self.train.output_dir)
 
     @property
     def run_dir(self) -> RunDir:
@@ -263,26 +270,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Fi
         key, sep, raw = item.partition("=")
         if not sep:
             raise UserInputError(f"--set {item}: expected key=value, e.g. --set train.max_steps=50")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise UserInputError(f"--set {item}: the value is not valid YAML ({str(e).splitlines()[0]}); quote it, "
+                                 "e.g. --set 'key=\"a: b\"'") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         cfg = FinetuneConfig.model_validate(tree)
     except ValidationError as e:
         raise UserInputError(_one_line(e, source)) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return _resolved(cfg, default_run_name=f"{Path(path).stem if path else 'finetune'}-{stamp}")
-
-
-def _absolute_if_local(path: str | None) -> str | None:
-    """Relative local paths become absolute (driver and workers may run in other directories).
-
-    URIs (`s3://...`) and hub ids (`org/name` with no such local directory) are left as they are.
-    """
-    if path is None or "://" in path:
-        return path
-    p = Path(path).expanduser()
-    looks_local = (p.exists() or p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1
-                   or p.suffix in {".jsonl", ".json", ".parquet"})
-    return str(p.resolve()) if looks_local else path
 
 
 def _template_text(template: str | None) -> str | None:
@@ -296,21 +295,32 @@ def _template_text(template: str | None) -> str | None:
 
 
 def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
-    out_dir = Path(cfg.train.output_dir).expanduser().resolve()
+    """Paths made absolute where they will be read (app/paths.py), defaults filled in, secrets taken out."""
+    out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"path": _absolute_if_local(cfg.model.path)}),
+        "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path)}),
         "data": cfg.data.model_copy(update={
-            "train_path": (_absolute_if_local(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
-                           else [_absolute_if_local(p) for p in cfg.data.train_path]),
-            "eval_path": _absolute_if_local(cfg.data.eval_path),
+            "train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
+                           else [paths.input_path(p) for p in cfg.data.train_path]),
+            "eval_path": paths.input_path(cfg.data.eval_path),
             "chat_template": _template_text(cfg.data.chat_template)}),
-        "train": cfg.train.model_copy(update={"output_dir": str(out_dir),
+        "train": cfg.train.model_copy(update={"output_dir": out_dir,
                                               "run_name": cfg.train.run_name or default_run_name}),
         "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),
     })
 
 
 def resolve_tracking_uri(configured: str | None, output: OutputDir) -> str:
-    """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the local store under the output directory."""
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output.mlflow_store}"
+    """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the local store under the output directory.
+
+    Credentials in the URI (`https://user:pass@host`) are moved to MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD, which MLflow's client reads: the config, and so every param, artifact,
+    summary and log line made from it, holds the URI without them."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None:
+        if not output.is_local:
+            raise UserInputError(f"train.output_dir={output.root} is a URI, where no local MLflow store can live: "
+                                 "set mlflow.tracking_uri (or $MLFLOW_TRACKING_URI) to a tracking server")
+        uri = f"sqlite:///{output.mlflow_store}"
+    return paths.export_credentials(uri)

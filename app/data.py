@@ -71,6 +71,7 @@ class TrainData:
     sources: list[ray.data.MaterializedDataset]  # token rows of each source, rows without targets dropped
     plan: PassPlan
     dropped_rows: int  # rows whose every target token truncation cut off
+    malformed_rows: int = 0  # records without the fields their format needs (remote data past the checked sample)
 
 
 def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, source: int) -> ray.data.Dataset:
@@ -99,7 +100,7 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
 
     `records_hint`: each source's record count as the driver's check found it (-1: unknown, remote).
     """
-    token_rows, held_out, dropped = [], [], 0
+    token_rows, held_out, dropped, malformed = [], [], 0, 0
     for i, (source, records_count) in enumerate(zip(sources, records_hint)):
         records = read_records(source, data)
         if eval_fraction is not None:
@@ -110,11 +111,13 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
         else:
             rows = tokenized(records, model, data, i).materialize()
         trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets"]).materialize()
-        dropped += rows.count() - trainable.count()
+        bad = rows.filter(expr=col("targets") < 0).count()
+        malformed += bad
+        dropped += rows.count() - trainable.count() - bad
         token_rows.append(trainable)
     plan = PassPlan(source_names([s.location for s in sources]), tuple(ds.count() for ds in token_rows),
                     tuple(data.mixture_weights) if data.mixture_weights else None, seed)
-    return TrainData(token_rows, plan, dropped), held_out
+    return TrainData(token_rows, plan, dropped, malformed), held_out
 
 
 def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[ray.data.Dataset, int]:

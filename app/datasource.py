@@ -15,6 +15,8 @@ from app.errors import UserInputError
 from app.formatting import FORMAT_FIELDS, detect_format
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+MAX_RECORD_BYTES = 16 * 2**20  # one JSON line; a longer one is almost always a file that is not JSON lines
+SAMPLE_BYTES = 2**20  # how much of a remote JSONL source the driver checks before the cluster starts
 PARQUET_SUFFIXES = (".parquet",)
 
 
@@ -79,8 +81,10 @@ def check_source(source: DataSource, fmt: str, key: str = "data.train_path", spl
         rows = sum(_check_parquet(f, fmt) for f in source.files)
     elif source.kind == "hf_disk":
         rows = _check_columns_of_hf_disk(source.location, fmt, split)
+    elif source.kind in ("jsonl", "parquet"):  # a URI: its start (JSONL) or its schema (Parquet), here
+        return _check_remote_sample(source, fmt, key)
     else:
-        return -1  # remote: counted by Ray Data
+        return -1  # a hub dataset: checked by its reader
     if rows == 0:
         raise UserInputError(f"{key}={source.location}: no records; the data is empty")
     return rows
@@ -90,6 +94,9 @@ def _check_jsonl(file: str, fmt: str) -> int:
     rows = 0
     with open(file, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
+            if len(raw) > MAX_RECORD_BYTES:
+                raise UserInputError(f"{file}:{line_no}: a line of {_size(len(raw))}, over the "
+                                     f"{_size(MAX_RECORD_BYTES)} a record may hold; is the file JSON lines?")
             line = _utf8(raw, f"{file}:{line_no}")
             if not line.strip():
                 continue
@@ -103,6 +110,38 @@ def _check_jsonl(file: str, fmt: str) -> int:
                 raise UserInputError(f"{file}:{line_no}: {e}; see data.format in the README") from None
             rows += 1
     return rows
+
+
+def _check_remote_sample(source: DataSource, fmt: str, key: str) -> int:
+    """A remote source's first records (JSONL) or its columns (Parquet), read with pyarrow's filesystems;
+    records past the sample that lack the needed fields are dropped and counted when the data is read."""
+    import pyarrow.fs as pafs
+
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(source.location)
+        if source.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(filesystem.open_input_file(path))
+            _check_columns(meta.schema_arrow.names, fmt, source.location)
+            return meta.metadata.num_rows
+        with filesystem.open_input_stream(path) as f:
+            head = f.read(SAMPLE_BYTES)
+    except UserInputError:
+        raise
+    except Exception as e:  # no such bucket or key, no credentials, ...
+        raise UserInputError(f"{key}={source.location}: cannot read it ({str(e).splitlines()[0][:200]})") from None
+    lines = head.split(b"\n")
+    for line_no, raw in enumerate(lines[:-1] if len(head) == SAMPLE_BYTES else lines, start=1):
+        line = _utf8(raw, f"{source.location}:{line_no}")
+        if line.strip():
+            try:
+                detect_format(json.loads(line), fmt)
+            except json.JSONDecodeError as e:
+                raise UserInputError(f"{source.location}:{line_no}: not valid JSON ({e.msg})") from None
+            except ValueError as e:
+                raise UserInputError(f"{source.location}:{line_no}: {e}; see data.format in the README") from None
+    return -1  # counted when Ray Data reads it
 
 
 def read_json_array(file: str, fmt: str) -> list[dict]:
@@ -120,6 +159,10 @@ def read_json_array(file: str, fmt: str) -> list[dict]:
         except ValueError as e:
             raise UserInputError(f"{file}: record [{i}]: {e}; see data.format in the README") from None
     return records
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 def _utf8(raw: bytes, where: str) -> str:

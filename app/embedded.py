@@ -15,8 +15,12 @@ almost nothing to adapt.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
+import shutil
+import sys
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -133,3 +137,38 @@ def build_embedded(root: Path, seed: int = 0) -> dict[str, str]:
     model.to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     return {"model": str(model_dir), "train": str(data_dir / "train.jsonl"), "eval": str(data_dir / "eval.jsonl")}
+
+
+def embedded_root(path: str | None) -> Path | None:
+    """The `.cache/embedded` folder a local path lies in, if it does."""
+    if not path or "://" in path:
+        return None
+    parts = Path(path).parts
+    for i in range(len(parts) - 1):
+        if parts[i : i + 2] == (".cache", "embedded"):
+            return Path(*parts[: i + 2])
+    return None
+
+
+def ensure_embedded(cfg) -> None:
+    """Build the embedded model and data where the config reads them, once, if they are not there yet.
+
+    Under `ray job submit` that is the cluster's shared storage ($FINETUNE_STORAGE/.cache/embedded: the
+    upload leaves .cache/ out), so the default config works without any override. A lock makes two jobs
+    starting at once build it one time; the build lands in place with a rename, never half-written."""
+    paths = [cfg.model.path, *cfg.data.train_paths, cfg.data.eval_path]
+    for root in {r for r in map(embedded_root, paths) if r is not None}:
+        if (root / "model" / "config.json").exists():
+            continue
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with open(root.parent / "embedded.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (root / "model" / "config.json").exists():  # built by another job while this one waited
+                continue
+            print(f"building the embedded demo model and data in {root} (once; about a minute)",
+                  file=sys.stderr, flush=True)
+            partial = root.with_name(f"embedded.partial-{os.getpid()}")
+            build_embedded(partial)
+            if root.exists():
+                shutil.rmtree(root)
+            os.rename(partial, root)

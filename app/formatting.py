@@ -138,7 +138,8 @@ def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tupl
 
 def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) -> dict[str, np.ndarray]:
     """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100, and
-    `targets`, each row's number of tokens that carry loss (0 when truncation cut every target off).
+    `targets`, each row's number of tokens that carry loss (0 when truncation cut every target off; -1 for
+    a record without the fields its format needs, which only data the driver could not check holds).
 
     Right padding needs no attention mask: under the causal mask a real token never attends to a
     later pad, and pads carry no loss.
@@ -146,11 +147,17 @@ def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) ->
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = np.full((len(records), max_seq_len), pad_id, dtype=np.int64)
     labels = np.full((len(records), max_seq_len), IGNORE_INDEX, dtype=np.int64)
+    malformed = np.zeros(len(records), dtype=bool)
     for row, record in enumerate(records):
-        ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt), max_seq_len)
+        try:
+            ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt), max_seq_len)
+        except ValueError:
+            malformed[row] = True
+            continue
         input_ids[row, : len(ids)] = ids
         labels[row, : len(labs)] = labs
     targets = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)  # labels are shifted: position 0 never counts
+    targets[malformed] = -1
     return {"input_ids": input_ids, "labels": labels, "targets": targets}
 
 

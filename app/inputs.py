@@ -3,6 +3,7 @@ source and its records. A mistake costs a second and one line naming the key, fi
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from app.errors import UserInputError
 from app.formatting import check_chat_template
 from app.loading import sharded_loading_problem
 from app.model import check_lora_targets, check_model_source, load_tokenizer
+from app.paths import looks_local
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,21 @@ def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:
     print(f"warning: model.load=sharded: {problem}; every worker loads the whole model instead (model.load=full)",
           file=sys.stderr, flush=True)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"load": "full"})})
+
+
+def pin_hub_revision(cfg: FinetuneConfig) -> FinetuneConfig:
+    """A hub model's revision (a branch, a tag, or none: main) resolved to its commit here, in the driver:
+    every worker then loads the same weights even if the branch moves during the run, the run is tagged
+    with the commit, and a resume can check it still trains the same model."""
+    path, revision = cfg.model.path, cfg.model.revision
+    if looks_local(path) or "://" in path or (revision and re.fullmatch(r"[0-9a-f]{40}", revision)):
+        return cfg
+    from huggingface_hub import HfApi
+
+    try:
+        sha = HfApi().model_info(path, revision=revision).sha
+    except Exception as e:  # no network, no such repo or revision, a gated repo without HF_TOKEN
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model.path={path}: cannot resolve revision {revision or 'main'} on the hub "
+                             f"({first}); check the id, HF_TOKEN, or give a local directory") from None
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": sha})})

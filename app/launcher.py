@@ -20,32 +20,18 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from app import console, tracking
 from app.config import FinetuneConfig
 from app.data import TrainData, build_eval_rows, build_train_data, read_records, start_pass_coordinator
+from app.embedded import ensure_embedded
 from app.errors import UserInputError
-from app.inputs import CheckedInputs, check_inputs, with_loadable_model
+from app.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
+from app.paths import in_ray_job
+from app.runs import claimed_run
 from app.sharding import process_group_backend
 from app.worker import FAULT_ENV, WorkerLaunch, train_worker
 
 
-def mlflow_run_to_resume(cfg: FinetuneConfig, resume: bool) -> str | None:
-    """The MLflow run id a resumed job continues (None for a new run), after checking the run directory:
-    a new run must not reuse one, a resumed run must find its own, unfinished."""
-    run_dir = cfg.run_dir
-    if not resume:
-        if run_dir.root.exists():
-            raise UserInputError(f"train.run_name={cfg.train.run_name}: {run_dir.root} holds an earlier run; "
-                                 "pass --resume to continue it, or choose another train.run_name")
-        return None
-    if not run_dir.record.exists():
-        raise UserInputError(f"--resume: no run to resume at {run_dir.root}; check train.run_name and "
-                             "train.output_dir")
-    if run_dir.adapter.exists():
-        raise UserInputError(f"--resume: run {cfg.train.run_name} already finished ({run_dir.adapter} exists)")
-    return run_dir.recorded_mlflow_run_id()
-
-
-def in_ray_job() -> bool:
+def joins_a_cluster() -> bool:
     """True under `ray job submit` or with RAY_ADDRESS set: then we join that cluster."""
-    return bool(os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+    return bool(os.environ.get("RAY_ADDRESS")) or in_ray_job()
 
 
 def init_ray(verbose: bool = False) -> None:
@@ -57,7 +43,7 @@ def init_ray(verbose: bool = False) -> None:
     if ray.is_initialized():
         return
     level = console.ray_logging_level(verbose)
-    if in_ray_job():
+    if joins_a_cluster():
         ray.init(logging_level=level)
     else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
         ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level)
@@ -105,7 +91,11 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
         print(f"warning: {train.dropped_rows} train and {eval_dropped} eval records have no target token left "
               f"after truncation to data.max_seq_len={cfg.data.max_seq_len}; they are left out",
               file=sys.stderr, flush=True)
-    stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped}
+    if train.malformed_rows:
+        print(f"warning: {train.malformed_rows} train records lack the fields data.format={cfg.data.format} needs; "
+              "they are left out", file=sys.stderr, flush=True)
+    stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped,
+             "data_train_records_malformed": train.malformed_rows}
     stats |= {f"data_pass_rows/{name}": rows for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
     return train, eval_rows, stats
 
@@ -136,47 +126,50 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     """Check, launch, train, record; returns the one-line JSON summary as a dict.
 
     With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
-    same MLflow run, with whatever worker count the config now asks for.
+    same MLflow run, with whatever worker count the config now asks for. The summary comes from the
+    workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     """
     t0, job_start_time = time.perf_counter(), time.time()
+    ensure_embedded(cfg)
+    cfg = pin_hub_revision(cfg)
     inputs = check_inputs(cfg)
     cfg = with_loadable_model(cfg)
-    run_id = mlflow_run_to_resume(cfg, resume)
-    init_ray(verbose)
-    check_placement(cfg)
-    if run_id is None:
-        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
-                                                        "data.eval_rows": inputs.eval_rows},
-                                    [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
-        cfg.run_dir.write_record(run_id)
-    else:
-        tracking.reopen_run(cfg.mlflow.tracking_uri, run_id)
-    status = "FAILED"
-    try:
-        train, eval_rows, data_stats = build_data(cfg, inputs)
-        tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats)
-        build_trainer(cfg, train, eval_rows, run_id, job_start_time, verbose).fit()
-        status = "FINISHED"
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
-        status = "KILLED"
-        raise
-    finally:
-        tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status)
-    metrics = tracking.final_metrics(cfg.mlflow.tracking_uri, run_id)
+    with claimed_run(cfg, resume) as run_id:
+        init_ray(verbose)
+        check_placement(cfg)
+        if run_id is None:
+            run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                            "data.eval_rows": inputs.eval_rows},
+                                        [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+            cfg.run_dir.write_record(run_id)
+        else:
+            tracking.reopen_run(cfg.mlflow.tracking_uri, run_id, run_tags(cfg), cfg.model.revision)
+        status = "FAILED"
+        try:
+            train, eval_rows, data_stats = build_data(cfg, inputs)
+            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats)
+            summary = build_trainer(cfg, train, eval_rows, run_id, job_start_time, verbose).fit().metrics
+            status = "FINISHED"
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
+            status = "KILLED"
+            raise
+        finally:
+            recorded = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
     return {
         "mlflow_run_id": run_id,
         "tracking_uri": cfg.mlflow.tracking_uri,
         "experiment": cfg.mlflow.experiment,
         "run_name": cfg.train.run_name,
-        "adapter_path": str(cfg.run_dir.adapter),
-        "steps": int(metrics["steps"]),
-        "initial_eval_loss": metrics["initial_eval_loss"],
-        "final_train_loss": metrics["final_train_loss"],
-        "final_eval_loss": metrics["final_eval_loss"],
-        "tokens_per_second": metrics["tokens_per_second_steady"],
-        "time_to_first_step_seconds": metrics.get("time_to_first_step_seconds"),
-        "data_wait_fraction": metrics.get("data_wait_fraction"),
-        "step_seconds_mean_steady": metrics.get("step_seconds_mean_steady"),
-        "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],
+        "adapter_path": cfg.run_dir.adapter,
+        "steps": int(summary["steps"]),
+        "initial_eval_loss": summary["initial_eval_loss"],
+        "final_train_loss": summary["final_train_loss"],
+        "final_eval_loss": summary["final_eval_loss"],
+        "tokens_per_second": summary["tokens_per_second_steady"],
+        "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
+        "data_wait_fraction": summary["data_wait_fraction"],
+        "step_seconds_mean_steady": summary["step_seconds_mean_steady"],
+        "peak_memory_gb": summary["peak_memory_gb_max_over_workers"],
+        "mlflow_synced": recorded,
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }

@@ -12,6 +12,7 @@ provide them with torch.multiprocessing and lists (tests/unit/test_recipe.py).
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,6 +27,7 @@ from app.config import FinetuneConfig
 from app.evaluation import eval_metrics, evaluate_loss
 from app.generation import sample_generations
 from app.hardware import has_fast_bf16
+from app.layout import RunDir
 from app.loading import build_sharded_lora_model
 from app.loss import global_target_tokens, scaled_micro_batch_loss
 from app.model import load_tokenizer
@@ -36,9 +38,10 @@ from app.stream import PassOverShard, ShardStream
 
 
 class Tracker(Protocol):
-    logged_through: int  # steps up to here were logged by an earlier attempt of this run
+    """Rank 0's MLflow run (app/run_logger.py). `once_per_step` metrics of a step an earlier attempt of
+    the run already logged are dropped, so a restarted run keeps one value per step."""
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
     def log_params(self, params: dict[str, object]) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
     def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
@@ -47,9 +50,7 @@ class Tracker(Protocol):
 class NoTracking:
     """What ranks other than 0 log to: nothing."""
 
-    logged_through = -1
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
     def log_params(self, params: dict[str, object]) -> None: ...
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
     def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
@@ -71,14 +72,15 @@ class FinetuneRecipe:
 
     def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
-                 checkpoints: CheckpointStore | None = None, adapter_dir: Path | None = None,
+                 checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
                  job_start_time: float | None = None, source_names: tuple[str, ...] = ()):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
-        self.checkpoints, self.adapter_dir = checkpoints, adapter_dir
+        self.checkpoints, self.run_dir = checkpoints, run_dir
         self.job_start_time = job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
+        self.time_to_first_step = float("nan")  # of this attempt; none if it had no step left to train
         self.source_names = source_names if len(source_names) > 1 else ()
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
 
@@ -104,12 +106,12 @@ class FinetuneRecipe:
             self.eval_loss = self.evaluate()
             self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
                                       initial_eval_loss=self.eval_loss)
-            self._log(eval_metrics(self.eval_loss), step=0)
+            self.tracker.log_metrics(eval_metrics(self.eval_loss), step=0)
         else:
             self.state = restored
             self.scheduler.load_state_dict(restored.scheduler)
             self.eval_loss = None  # nothing evaluated in this attempt yet
-            self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step)
+            self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step, once_per_step=False)
         self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
                                    self.state.rows_into_epoch // ctx.world_size)
         self.train_loss = float("nan")
@@ -123,16 +125,16 @@ class FinetuneRecipe:
         for step in range(first, last + 1):
             metrics = self.train_step()
             if step == first:
-                metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
+                self.time_to_first_step = metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
             if step % self.cfg.train.eval_every == 0 or step == last:
                 self.eval_loss = self.evaluate()
                 metrics |= eval_metrics(self.eval_loss)
             if step % self.cfg.train.log_every == 0 or "eval_loss" in metrics or step == first:
-                self._log(metrics, step)
+                self.tracker.log_metrics(metrics, step)
                 progress.line(step, metrics)
-            if self.checkpoints and (step % self.cfg.train.checkpoint_every == 0 or step == last):
+            if self.checkpoints and step % self.cfg.train.checkpoint_every == 0 and step != last:
                 self.save_checkpoint(step)
-        return self.finish()
+        return self.finish()  # saves the last checkpoint, with the run's summary
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
@@ -181,18 +183,20 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         return evaluate_loss(self.model, self.eval_pass, self.ctx)
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
+        """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
+        reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
                                 self.scheduler.state_dict(), self.state.initial_eval_loss)
         t_save = time.perf_counter()
         self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position),
-                              {"step": step, "train_loss": self.train_loss})
-        self._log({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
+                              {"step": step, "train_loss": self.train_loss, **(summary or {})})
+        self.tracker.log_metrics({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
 
     def finish(self) -> dict[str, float]:
-        """Every collective first (final eval, sample decoding, adapter gather, peak memory), then rank 0
-        writes the adapter to disk and only then uploads: a slow tracking server never holds other ranks
-        in a collective."""
+        """Every collective first (final eval, sample decoding, adapter gather, peak memory, the last
+        checkpoint), then rank 0 writes the adapter to the run directory and only then uploads: a slow
+        tracking server never holds other ranks in a collective."""
         cfg, ctx = self.cfg, self.ctx
         if self.eval_loss is None:  # resumed from the final checkpoint: nothing trained in this attempt
             self.eval_loss = self.evaluate()
@@ -202,21 +206,20 @@ class FinetuneRecipe:
         adapter_state = gather_trainable_state(self.model)
         summary = {"steps": cfg.train.max_steps, "final_train_loss": self.train_loss,
                    "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
-                   **self.meter.summary(),
+                   **self.meter.summary(), "time_to_first_step_seconds": self.time_to_first_step,
                    "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
                    "worker_seconds": time.perf_counter() - self.started}
-        if ctx.is_main and self.adapter_dir is not None:
-            save_adapter(self.model, adapter_state, self.adapter_dir, self.tokenizer, cfg.to_yaml())
-            self.tracker.log_artifacts(self.adapter_dir, "adapter")
+        if self.checkpoints:
+            self.save_checkpoint(cfg.train.max_steps, summary)
+        if ctx.is_main and self.run_dir is not None:
+            with tempfile.TemporaryDirectory(prefix="adapter-") as staged:
+                save_adapter(self.model, adapter_state, Path(staged), self.tokenizer, cfg.to_yaml())
+                self.run_dir.publish_adapter(Path(staged))
+                self.tracker.log_artifacts(Path(staged), "adapter")
         if samples is not None:
             self.tracker.log_table(samples, "eval/sample_generations.json")
-        self.tracker.log_metrics(summary, cfg.train.max_steps)
+        self.tracker.log_metrics(summary, cfg.train.max_steps, once_per_step=False)
         return summary
-
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        """Steps an earlier attempt already logged are not logged again: one value per step in MLflow."""
-        if step > self.tracker.logged_through:
-            self.tracker.log_metrics(metrics, step)
 
 
 def schedule_name(lr_schedule: str, warmup_steps: int) -> str:

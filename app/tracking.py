@@ -1,9 +1,8 @@
 """MLflow: the run's lifecycle (driver) and metric and artifact logging (rank 0 of the workers).
 
 One run per job: the driver creates it and passes its id to the workers, so a restarted worker
-continues the same run. Metrics go through a background thread in batches: a slow or unreachable
-tracking server delays nothing on the training step and never kills training. Metrics it could not
-send by the end are written beside the run's checkpoints, and the outage is reported.
+continues the same run. Rank 0 logs through app/run_logger.py; what the server does not take is kept
+in the run directory's journal and sent later by `python -m jobs.sync` (app/sync.py).
 """
 
 from __future__ import annotations
@@ -11,24 +10,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import queue
 import subprocess
-import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlflow.entities import DatasetInput, InputTag, Metric, Param
-from mlflow.exceptions import MlflowException
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from app.config import FinetuneConfig
 from app.datasource import DataSource
-from app.layout import OutputDir
+from app.errors import UserInputError
+from app.layout import OutputDir, RunDir
+from app.run_logger import JOURNAL, MAX_PARAM_CHARS, bound_http_calls
 
 log = logging.getLogger(__name__)
-MAX_PARAM_CHARS = 6000
 
 
 def git_commit(cwd: str | Path = ".") -> str | None:
@@ -53,7 +49,9 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
               datasets: list[tuple[str, DataSource | None]] = ()) -> str:
     """Create the job's run with the resolved config as params and as an artifact, and the data as
     dataset inputs; a sweep's run is tagged with the sweep and nested under its parent run."""
-    cfg.output.root.mkdir(parents=True, exist_ok=True)
+    bound_http_calls()
+    if cfg.output.is_local:
+        Path(cfg.output.root).mkdir(parents=True, exist_ok=True)  # the local MLflow store lives there
     client = MlflowClient(cfg.mlflow.tracking_uri)
     tags = tags | {"sweep": cfg.mlflow.sweep, "mlflow.parentRunId": cfg.mlflow.parent_run_id}
     run = client.create_run(get_or_create_experiment(client, cfg.mlflow.experiment, cfg.output),
@@ -92,16 +90,23 @@ def dataset_input(source: DataSource, context: str) -> DatasetInput:
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
 
 
-def finish_run(tracking_uri: str, run_id: str, status: str, attempts: int = 5) -> None:
-    """status: FINISHED, FAILED or KILLED. Retried a few times: the server may be restarting."""
+def finish_run(tracking_uri: str, run_id: str, status: str, run_dir: RunDir, attempts: int = 3) -> bool:
+    """End the run as FINISHED, FAILED or KILLED, a few tries with bounded timeouts (the server may be
+    restarting). If it cannot be reached, the status goes to the run's journal for `python -m jobs.sync`
+    and the job still ends as it should: training is done and the adapter is on disk."""
+    bound_http_calls()
     for attempt in range(attempts):
         try:
-            return MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+            MlflowClient(tracking_uri).set_terminated(run_id, status=status)
+            return True
         except Exception as e:
-            if attempt == attempts - 1:
-                raise
-            log.warning("MLflow: could not end run %s as %s (%s); retrying", run_id, status, str(e)[:200])
-            time.sleep(2.0 * (attempt + 1))
+            log.warning("MLflow: could not end run %s as %s (%s)", run_id, status, str(e).splitlines()[0][:200])
+            if attempt < attempts - 1:
+                time.sleep(2.0 * (attempt + 1))
+    run_dir.append_lines([json.dumps({"status": status})], JOURNAL)
+    log.warning("MLflow unreachable: run %s stays open there until `python -m jobs.sync %s` sends what "
+                "%s keeps", run_id, run_dir.name, run_dir.path(JOURNAL))
+    return False
 
 
 def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]) -> None:
@@ -113,134 +118,42 @@ def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]
         log.warning("MLflow: could not log %s (%s)", ", ".join(metrics), str(e).splitlines()[0][:200])
 
 
-def reopen_run(tracking_uri: str, run_id: str) -> None:
-    """A resumed job continues its run: back to RUNNING, the resume counted in a tag."""
+def reopen_run(tracking_uri: str, run_id: str, job_tags: dict[str, str | None], revision: str | None) -> None:
+    """A resumed job continues its run: back to RUNNING, the resume counted in a tag, and the run's job
+    tags naming this job now (what `jobs.submit list` reconciles the run with). It must train the base
+    model the run started with: the same hub commit."""
+    bound_http_calls()
     client = MlflowClient(tracking_uri)
-    resumes = int(client.get_run(run_id).data.tags.get("resumes", "0")) + 1
+    tags = client.get_run(run_id).data.tags
+    started_with = tags.get("base_model_revision")
+    if started_with and revision and started_with != revision:
+        raise UserInputError(f"--resume: the run trained {tags.get('base_model')} at revision {started_with}, and "
+                             f"model.revision now resolves to {revision}; set model.revision={started_with}")
+    resumes = int(tags.get("resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
-    client.set_tag(run_id, "resumes", str(resumes))
+    tags = {"resumes": str(resumes)} | {k: v for k, v in job_tags.items() if k.startswith("ray.") and v}
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
-@dataclass
-class _Batch:
-    metrics: list[Metric] = field(default_factory=list)
-    params: list[Param] = field(default_factory=list)
+JOB_TO_RUN_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}
 
 
-class RunLogger:
-    """Rank 0's handle on the run: metrics (and params) are queued and sent in batches by a background thread.
-
-    While the server is unreachable the thread retries the oldest batch every `retry_seconds`; the
-    training loop only ever appends to the queue. `close` waits a bounded time, then writes what is
-    still unsent to `unsent_file` (JSON lines) and tags the run with the outage once it can.
-    """
-
-    def __init__(self, tracking_uri: str, run_id: str, unsent_file: Path | None = None,
-                 retry_seconds: float = 2.0):
-        self.client, self.run_id, self.retry_seconds = MlflowClient(tracking_uri), run_id, retry_seconds
-        self.unsent_file = unsent_file
-        self.failures = 0
-        self.logged_through = self._last_logged_step()
-        self._queue: queue.Queue[_Batch | None] = queue.Queue()
-        self._pending: _Batch | None = None  # the batch being sent
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
-        self._thread.start()
-
-    def _last_logged_step(self) -> int:
-        """-1 for a new run; after a restart, the last step an earlier attempt logged (-1 as well if
-        the server cannot say: a few steps may then be logged twice, nothing is lost)."""
-        try:
-            steps = [m.step for key in ("train_loss", "eval_loss")
-                     for m in self.client.get_metric_history(self.run_id, key)]
-        except Exception as e:
-            self._report_failure(e)
-            return -1
-        return max(steps, default=-1)
-
-    def _report_failure(self, error: Exception) -> None:
-        self.failures += 1
-        if self.failures == 1 or self.failures % 30 == 0:
-            log.warning("MLflow unreachable (%d failed calls so far); metrics are kept and retried: %s",
-                        self.failures, str(error).splitlines()[0][:200])
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        self._queue.put(_Batch(metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]))
-
-    def log_params(self, params: dict[str, object]) -> None:
-        self._queue.put(_Batch(params=[Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]))
-
-    def _send_forever(self) -> None:
-        while (batch := self._queue.get()) is not None:
-            self._pending = batch
-            while True:
-                try:
-                    self.client.log_batch(self.run_id, metrics=batch.metrics, params=batch.params)
-                    self._pending = None
-                    break
-                except MlflowException as e:
-                    if e.error_code == "INVALID_PARAMETER_VALUE":  # rejected, not unreachable: retrying cannot help
-                        log.warning("MLflow rejected a batch (%s); it is dropped", str(e).splitlines()[0][:200])
-                        self._pending = None
-                        break
-                    self._report_failure(e)
-                except Exception as e:  # the server being down must not end training
-                    self._report_failure(e)
-                if self._stopping.wait(self.retry_seconds):
-                    return
-
-    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
-        self._with_retries(lambda: self.client.log_artifacts(self.run_id, str(local_dir), artifact_path),
-                           f"artifacts {local_dir}")
-
-    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
-        self._with_retries(lambda: self.client.log_table(self.run_id, data=data, artifact_file=artifact_file),
-                           f"table {artifact_file}")
-
-    def _with_retries(self, call, what: str, attempts: int = 5) -> None:
-        """End-of-run uploads: a few tries, then a warning; the files stay on disk either way."""
-        for attempt in range(attempts):
-            try:
-                return call()
-            except Exception as e:
-                self._report_failure(e)
-                time.sleep(self.retry_seconds * (attempt + 1))
-        log.warning("MLflow: could not log %s after %d tries; it stays on local disk", what, attempts)
-
-    def close(self, timeout: float = 60.0) -> None:
-        """Send what is queued, waiting at most `timeout` seconds; keep what could not be sent."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._stopping.set()
-        self._thread.join(self.retry_seconds)
-        unsent = ([self._pending] if self._pending else []) + [b for b in _drain(self._queue) if b]
-        if unsent and self.unsent_file is not None:
-            self.unsent_file.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.unsent_file, "a") as f:
-                for batch in unsent:
-                    for m in batch.metrics:
-                        row = {"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}
-                        f.write(json.dumps(row) + "\n")
-                    for p in batch.params:
-                        f.write(json.dumps({"param": p.key, "value": p.value}) + "\n")
-            log.warning("MLflow: %d metric batches could not be sent; written to %s", len(unsent), self.unsent_file)
-        if self.failures:
-            log.warning("MLflow was unreachable for %d calls during this run", self.failures)
-            try:
-                self.client.set_tag(self.run_id, "mlflow_failed_calls", str(self.failures))
-            except Exception:
-                pass  # already reported in the log
-
-
-def _drain(q: queue.Queue):
-    while True:
-        try:
-            yield q.get_nowait()
-        except queue.Empty:
-            return
-
-
-def final_metrics(tracking_uri: str, run_id: str) -> dict[str, float]:
-    """The latest value of every metric of the run."""
-    return dict(MlflowClient(tracking_uri).get_run(run_id).data.metrics)
+def reconcile_runs(tracking_uri: str, ended_jobs: dict[str, str]) -> list[str]:
+    """End the MLflow runs still RUNNING whose Ray job (tag ray.job_submission_id) has ended; one line
+    per run changed. An unreachable server changes nothing."""
+    bound_http_calls()
+    client = MlflowClient(tracking_uri)
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, "attributes.status = 'RUNNING'") if experiments else []
+    except Exception as e:
+        log.warning("MLflow: runs not reconciled with their jobs (%s)", str(e).splitlines()[0][:200])
+        return []
+    changed = []
+    for run in runs:
+        job = run.data.tags.get("ray.job_submission_id")
+        if job in ended_jobs:
+            status = JOB_TO_RUN_STATUS[ended_jobs[job]]
+            client.set_terminated(run.info.run_id, status=status)
+            changed.append(f"MLflow run {run.info.run_name}: RUNNING -> {status} (its job {job} is {ended_jobs[job]})")
+    return changed

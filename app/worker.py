@@ -14,9 +14,10 @@ import ray.train.torch
 
 from app.checkpoint import TrainerState
 from app.config import FinetuneConfig
+from app.paths import export_credentials
 from app.ranks import RankContext
 from app.recipe import FinetuneRecipe, NoTracking
-from app.tracking import RunLogger
+from app.run_logger import RunLogger
 
 FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": fault injection for the resilience tests
 
@@ -79,12 +80,11 @@ def train_worker(launch: WorkerLaunch) -> None:
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
-    run_dir = cfg.run_dir
-    tracker = (RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, run_dir.unsent_metrics)
-               if ctx.is_main else NoTracking())
+    export_credentials(os.environ.get("MLFLOW_TRACKING_URI", ""))  # the config holds the URI without them
+    tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
-                       run_dir.adapter, launch.job_start_time, launch.source_names).train()
+                       cfg.run_dir, launch.job_start_time, launch.source_names).train()
     finally:
         if ctx.is_main:
             tracker.close()

@@ -3,6 +3,7 @@
     python -m jobs.submit submit --config jobs/configs/embedded.yaml [--set k=v ...] [--follow]
     python -m jobs.submit list | status JOB | logs JOB [--follow] | stop JOB
     python -m jobs.submit sweep --config C --grid train.learning_rate=1e-3,3e-3 [--grid lora.r=4,8]
+    python -m jobs.submit sync RUN_NAME --config C    (after an MLflow outage: send what the run kept)
 
 The cluster is --address (default $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, or http://127.0.0.1:8265);
 with Ray's token authentication on, export RAY_AUTH_MODE=token (the token comes from
@@ -26,8 +27,9 @@ import yaml
 
 from app.config import load_config
 from app.errors import UserInputError
+from app.paths import export_credentials
 from app.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
-from app.tracking import get_or_create_experiment, git_commit
+from app.tracking import get_or_create_experiment, git_commit, reconcile_runs
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -55,6 +57,7 @@ def runtime_env(path: str) -> dict:
 def submit_run(client, config: str, overrides: list[str], env: dict, resume: str | None = None,
                run_name: str | None = None, metadata: dict[str, str] | None = None) -> str:
     """Validate the config here, then submit one fine-tuning job; returns its submission id."""
+    refuse_secrets(overrides)
     if resume:
         overrides = [*overrides, f"train.run_name={resume}"]
     elif run_name:
@@ -72,6 +75,39 @@ def submit_run(client, config: str, overrides: list[str], env: dict, resume: str
     env = env | {"env_vars": (env.get("env_vars") or {}) | ({"GIT_COMMIT": commit} if commit else {})}
     return client.submit_job(entrypoint=shlex.join(command), submission_id=submission_id, runtime_env=env,
                              metadata={"run_name": cfg.train.run_name, "config": config, **(metadata or {})})
+
+
+def refuse_secrets(overrides: list[str]) -> None:
+    """A job's entrypoint is shown to anyone who can list jobs: no credentials may travel in it."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "mlflow.tracking_uri" and export_credentials(value) != value:
+            raise UserInputError("--set mlflow.tracking_uri: it holds credentials, which would be visible in the "
+                                 "job's entrypoint; set MLFLOW_TRACKING_URI (credentials included) in the "
+                                 "cluster's environment instead (cluster/local-up.sh, the k8s Secret)")
+
+
+def submit_sync(client, run_name: str, config: str, overrides: list[str], env: dict) -> str:
+    """`python -m jobs.sync` as a job: it runs where the run directory is (the cluster's storage)."""
+    refuse_secrets(overrides)
+    command = ["python", "-m", "jobs.sync", run_name, "--config", config]
+    for item in overrides:
+        command += ["--set", item]
+    return client.submit_job(entrypoint=shlex.join(command), runtime_env=env,
+                             submission_id=f"sync-{run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                             metadata={"run_name": run_name, "config": config})
+
+
+def reconcile(client) -> None:
+    """MLflow runs left RUNNING by jobs that have ended (a driver killed with SIGKILL, a lost head) are
+    ended with their job's outcome. Needs $MLFLOW_TRACKING_URI here; skipped without it."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    ended = {job.submission_id: str(job.status.value) for job in client.list_jobs()
+             if job.submission_id and str(job.status.value) in TERMINAL}
+    for line in reconcile_runs(export_credentials(uri), ended):
+        print(line, file=sys.stderr)
 
 
 def wait_for(client, job_ids: list[str], poll_seconds: float = 2.0, quiet: bool = False) -> dict[str, str]:
@@ -154,11 +190,11 @@ def _sweep_tracking_uri(overrides: list[str], env: dict) -> str:
     for item in overrides:
         if item.startswith("mlflow.tracking_uri="):
             return item.partition("=")[2]
-    uri = (env.get("env_vars") or {}).get("MLFLOW_TRACKING_URI", "")
+    uri = (env.get("env_vars") or {}).get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri or "${" in uri:
-        raise UserInputError("sweep: needs the tracking server its jobs log to; set MLFLOW_TRACKING_URI under "
-                             "env_vars in the runtime env file, or --set mlflow.tracking_uri=URL")
-    return uri
+        raise UserInputError("sweep: needs the tracking server its jobs log to; export MLFLOW_TRACKING_URI here "
+                             "(the cluster's server), or --set mlflow.tracking_uri=URL")
+    return export_credentials(uri)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sw = with_config(commands.add_parser("sweep", help="a grid of configs as separate jobs, compared in MLflow"))
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis (repeatable)")
     sw.add_argument("--name", help="the sweep's name (MLflow parent run and tag); default sweep-CONFIG-TIME")
+    sync = with_config(commands.add_parser("sync", help="send what a run kept while MLflow was unreachable"))
+    sync.add_argument("run_name")
     return parser.parse_args(argv)
 
 
@@ -198,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.follow:
                 return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
         elif args.command == "list":
+            reconcile(client)
             print(list_jobs(client))
         elif args.command == "status":
+            reconcile(client)
             info = client.get_job_info(args.job_id)
             print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
         elif args.command == "logs" and args.follow:
@@ -210,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.job_id}: {stop(client, args.job_id, args.wait)}")
         elif args.command == "sweep":
             return sweep(client, args, env)
+        elif args.command == "sync":
+            job_id = submit_sync(client, args.run_name, args.config, args.overrides, env)
+            print(job_id, flush=True)
+            return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64, "tie_word_embeddings": True},
     "phi3": {},
     "gpt_neox": {"rotary_pct": 0.5},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # fused experts: transformers converts them
 }
 
 

@@ -2,13 +2,17 @@
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import psutil
 import pytest
+import ray
 import ray.train
 from mlflow.tracking import MlflowClient
+from ray._private import ray_constants
 
 from app.launcher import run_finetune
 from app.worker import FAULT_ENV
@@ -24,6 +28,22 @@ def _history(cfg, run_id, key="train_loss") -> dict[int, float]:
     return {m.step: m.value for m in points}
 
 
+def _training_workers_of_this_session() -> list[psutil.Process]:
+    """The training workers of this test session's own Ray cluster: descendants of its raylet (found
+    through Ray's private node handle). Processes of other clusters on the machine are never touched."""
+    node = ray._private.worker._global_node
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    return [p for p in raylet.children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
+
+
+@pytest.fixture
+def decoy():
+    """A process that looks like a training worker to anything matching command lines."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "ray::RayTrainWorker"])
+    yield process
+    process.kill()
+
+
 def _kill_a_worker_after(cfg, step: int, seen: dict, timeout: float = 240) -> threading.Thread:
     """In the background: wait until MLflow shows `step`, then SIGKILL one training worker process.
 
@@ -31,12 +51,11 @@ def _kill_a_worker_after(cfg, step: int, seen: dict, timeout: float = 240) -> th
     def watch():
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if cfg.run_dir.record.exists():
+            if cfg.run_dir.has_record():
                 run_id = cfg.run_dir.recorded_mlflow_run_id()
                 steps = [m.step for m in MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(run_id, "train_loss")]
                 if max(steps, default=0) >= step:
-                    victims = [p for p in psutil.process_iter(["cmdline"])
-                               if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+                    victims = _training_workers_of_this_session()
                     assert victims, "no training worker process found"
                     victims[-1].send_signal(signal.SIGKILL)
                     seen["step"] = max(steps)
@@ -47,7 +66,8 @@ def _kill_a_worker_after(cfg, step: int, seen: dict, timeout: float = 240) -> th
     return thread
 
 
-def test_a_killed_worker_is_replaced_and_the_run_finishes_without_losing_steps(reference_run, embedded, tmp_path):
+def test_a_killed_worker_is_replaced_and_the_run_finishes_without_losing_steps(reference_run, embedded, tmp_path,
+                                                                              decoy):
     cfg = make_config(tmp_path, embedded, *SHORT_RUN, "train.max_failures=1", "train.run_name=killed")
     seen = {}
     killer = _kill_a_worker_after(cfg, step=9, seen=seen)
@@ -65,6 +85,7 @@ def test_a_killed_worker_is_replaced_and_the_run_finishes_without_losing_steps(r
     assert MlflowClient(cfg.mlflow.tracking_uri).get_run(run_id).info.status == "FINISHED"
     assert summary["final_eval_loss"] == pytest.approx(reference_run[1]["final_eval_loss"], rel=0.1)
     assert len(cfg.run_dir.checkpoints()) == cfg.train.keep_checkpoints
+    assert decoy.poll() is None  # only this session's own worker was killed
 
 
 def test_a_crashed_run_resumes_on_fewer_workers_and_ends_near_an_uninterrupted_one(reference_run, embedded, tmp_path):

@@ -1,17 +1,22 @@
 """Ray Jobs against a real local stack: `cluster/local-up.sh` (a `ray start --head` with token auth and
-an MLflow server with proxied artifacts, both on loopback), driven through `python -m jobs.submit`.
+an MLflow server with proxied artifacts, both on loopback), driven by `ray job submit` and
+`python -m jobs.submit`, with the default config and no path overrides.
 
-Nothing is mocked. The stack runs on free ports in its own temp dir, beside the test session's
-embedded cluster, and `cluster/local-down.sh` stops only it.
+Nothing is mocked. The stack starts from an empty HOME (it makes its own token), runs on free ports in
+its own temp dir beside the test session's Ray cluster, and `cluster/local-down.sh` stops only it. Its
+tracking URI carries a sentinel password, which must appear nowhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -22,6 +27,7 @@ from tests.helpers import REPO, free_port
 
 pytestmark = pytest.mark.e2e
 HF_SENTINEL = "hf_test_token_do_not_log_4f2a"  # stands in for a real hub token
+MLFLOW_SENTINEL = "mlflow_password_do_not_log_9b3d"  # the MLflow password in the cluster's tracking URI
 QUICK = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
          "train.warmup_steps=1", "train.sample_prompts=2", "train.sample_max_new_tokens=8"]
 
@@ -31,17 +37,19 @@ def stack(tmp_path_factory, embedded):
     stack_dir = tmp_path_factory.mktemp("stack")
     names = ("RAY_PORT", "DASHBOARD_PORT", "MLFLOW_PORT", "AGENT_PORT", "CLIENT_PORT")
     ports = {name: str(free_port()) for name in names}
-    env = {**os.environ, **ports, "STACK_DIR": str(stack_dir), "BIN": str(Path(sys.executable).parent),
-           "RAY_TMP": f"/tmp/ray-test-{ports['RAY_PORT']}", "HF_TOKEN": HF_SENTINEL}
+    mlflow_uri = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
+    env = {k: v for k, v in os.environ.items() if k not in ("FINETUNE_STORAGE", "MLFLOW_TRACKING_URI")}
+    env |= {**ports, "STACK_DIR": str(stack_dir), "BIN": str(Path(sys.executable).parent), "HOME": "",
+            "RAY_TMP": f"/tmp/ray-test-{ports['RAY_PORT']}", "HF_TOKEN": HF_SENTINEL,
+            "MLFLOW_TRACKING_URI": mlflow_uri.replace("://", f"://ray-jobs:{MLFLOW_SENTINEL}@")}
     up = subprocess.run(["bash", "cluster/local-up.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert up.returncode == 0, up.stderr + (stack_dir / "ray-start.log").read_text()
-    mlflow_uri = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
-    client_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"http://127.0.0.1:{ports['DASHBOARD_PORT']}"}
+    token_file = stack_dir / ".ray" / "auth_token"  # HOME was empty: the stack keeps its token itself
+    client_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token_file.read_text().strip(),
+                  "RAY_ADDRESS": f"http://127.0.0.1:{ports['DASHBOARD_PORT']}", "MLFLOW_TRACKING_URI": mlflow_uri}
     client_env.pop("HF_TOKEN", None)  # the client never has it; only the cluster's environment does
-    data = [f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
-            f"data.eval_path={embedded['eval']}", f"train.output_dir={stack_dir / 'outputs'}",
-            f"mlflow.tracking_uri={mlflow_uri}"]
-    yield {"env": client_env, "mlflow": mlflow_uri, "data": data, "dir": stack_dir, "raytmp": env["RAY_TMP"]}
+    yield {"env": client_env, "mlflow": mlflow_uri, "dir": stack_dir, "raytmp": env["RAY_TMP"],
+           "token_file": token_file, "up_env": env, "up_output": up.stdout + up.stderr}
     subprocess.run(["bash", "cluster/local-down.sh"], cwd=REPO, env=env, capture_output=True)
 
 
@@ -54,9 +62,50 @@ def with_overrides(*overrides: str) -> list[str]:
     return [arg for item in overrides for arg in ("--set", item)]
 
 
+def _no_sentinel_in_the_run(client: MlflowClient, run, tmp_path: Path) -> None:
+    """Neither secret in the run's params, tags, or any of its artifacts."""
+    assert not any(s in json.dumps({**run.data.params, **run.data.tags}) for s in (HF_SENTINEL, MLFLOW_SENTINEL))
+    local = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id)))
+    for file in [p for p in local.rglob("*") if p.is_file()]:
+        content = file.read_bytes()
+        assert MLFLOW_SENTINEL.encode() not in content and HF_SENTINEL.encode() not in content, file
+
+
+def test_a_plain_ray_job_submit_of_the_default_config_succeeds_and_outlives_its_working_dir(stack, tmp_path):
+    """No path override: the embedded model is built once in the stack's storage, the run is stored there
+    (not in Ray's copy of the upload), and no secret shows in logs, job info, params or artifacts."""
+    env = {k: v for k, v in stack["env"].items() if k != "MLFLOW_TRACKING_URI"}
+    submitted = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--working-dir", ".",
+                                "--", "python", "-m", "jobs.finetune", "--config", "jobs/configs/embedded.yaml",
+                                *with_overrides(*QUICK)], cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=900)
+    logs = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 0, logs[-3000:]
+    summary = json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
+    assert summary["tracking_uri"] == stack["mlflow"] and summary["mlflow_synced"] is True
+    assert summary["adapter_path"] == str(stack["dir"] / "outputs" / summary["run_name"] / "adapter")
+    assert (stack["dir"] / ".cache" / "embedded" / "model" / "config.json").exists()
+    for package in Path(stack["raytmp"]).glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*"):
+        shutil.rmtree(package)  # what Ray does when it evicts the upload
+    assert (Path(summary["adapter_path"]) / "COMPLETE").exists()
+    assert (Path(summary["adapter_path"]) / "adapter_model.safetensors").exists()
+
+    from ray.job_submission import JobSubmissionClient
+    jobs = JobSubmissionClient(stack["env"]["RAY_ADDRESS"]).list_jobs()
+    job_info = json.dumps([j.dict() for j in jobs], default=str)
+    assert MLFLOW_SENTINEL not in logs and MLFLOW_SENTINEL not in job_info and HF_SENTINEL not in job_info
+    client = MlflowClient(stack["mlflow"])
+    _no_sentinel_in_the_run(client, client.get_run(summary["mlflow_run_id"]), tmp_path)
+
+
+def test_the_stack_made_its_own_token_readable_by_its_user_only(stack):
+    assert stat.S_IMODE(stack["token_file"].stat().st_mode) == 0o600
+    assert stack["token_file"].read_text().strip() not in stack["up_output"]  # never printed
+
+
 def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, tmp_path):
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides(*stack["data"], *QUICK, "train.run_name=jobs-api-demo"), "--follow")
+                           *with_overrides(*QUICK, "train.run_name=jobs-api-demo"), "--follow")
     logs = submitted.stdout + submitted.stderr
     assert submitted.returncode == 0, logs[-3000:]
     summary = json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
@@ -70,7 +119,7 @@ def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, t
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.info.run_name == "jobs-api-demo"
     assert run.data.tags["ray.job_submission_id"] == "jobs-api-demo"
-    assert run.data.tags["base_model"] == str(stack["data"][0].split("=", 1)[1])
+    assert run.data.tags["base_model"] == str(stack["dir"] / ".cache" / "embedded" / "model")
     assert len(run.data.tags.get("mlflow.source.git.commit", "")) == 40
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
     assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"train.jsonl", "eval.jsonl"}
@@ -103,7 +152,7 @@ def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
 def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_processes(stack):
     run_name = "jobs-api-stopped"
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides(*stack["data"], "train.max_steps=400", "train.checkpoint_every=3",
+                           *with_overrides("train.max_steps=400", "train.checkpoint_every=3",
                                            f"train.run_name={run_name}"))
     assert submitted.returncode == 0, submitted.stderr
     client = MlflowClient(stack["mlflow"])
@@ -131,7 +180,7 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
 
 def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack):
     swept = submit_cli(stack, "sweep", "--config", "jobs/configs/embedded.yaml", "--name", "lr-sweep",
-                       "--grid", "train.learning_rate=1e-3,4e-3", *with_overrides(*stack["data"], *QUICK))
+                       "--grid", "train.learning_rate=1e-3,4e-3", *with_overrides(*QUICK))
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
     table = swept.stdout.split("lr-sweep: 2 jobs submitted")[1]
     assert "lr-sweep-0-learning_rate=1e-3" in table and "lr-sweep-1-learning_rate=4e-3" in table
@@ -147,3 +196,22 @@ def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack):
     assert all(r.info.status == "FINISHED" and "final_eval_loss" in r.data.metrics for r in children)
     assert parent[0].info.status == "FINISHED"
     assert "sweep/results.json" in {f.path for f in client.list_artifacts(parent[0].info.run_id, "sweep")}
+
+
+def test_local_down_stops_the_stack_and_nothing_else(stack):
+    """A decoy whose command line names the stack's temp dir and a training worker survives: local-down
+    stops what local-up recorded (pid and start time) and what those processes started, nothing more."""
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", stack["raytmp"], "RayTrainWorker"])
+    try:
+        down = subprocess.run(["bash", "cluster/local-down.sh"], cwd=REPO, env=stack["up_env"],
+                              capture_output=True, text=True)
+        assert down.returncode == 0 and "stopped; data kept in" in down.stdout, down.stdout + down.stderr
+        assert decoy.poll() is None
+        left = [p.pid for p in psutil.process_iter(["cmdline"])
+                if stack["raytmp"] in " ".join(p.info["cmdline"] or []) and p.pid != decoy.pid]
+        assert left == []
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{stack['mlflow']}/health", timeout=5)
+        assert (stack["dir"] / "mlflow.db").exists()  # the stack's data is kept
+    finally:
+        decoy.kill()

@@ -17,6 +17,8 @@ from mlflow.tracking import MlflowClient
 
 from app import tracking
 from app.datasource import resolve_source
+from app.layout import RunDir
+from app.run_logger import JOURNAL, RunLogger
 from tests.helpers import free_port, make_config
 
 
@@ -66,7 +68,7 @@ def test_metrics_logged_while_the_server_hangs_arrive_once_it_answers_again(mlfl
     uri, server = mlflow_server
     run_id = _new_run(uri)
     fail_fast_http(monkeypatch)
-    logger = tracking.RunLogger(uri, run_id, tmp_path / "unsent.jsonl", retry_seconds=0.5)
+    logger = RunLogger(uri, run_id, RunDir(str(tmp_path)), retry_seconds=0.5)
     for step in (1, 2, 3):
         logger.log_metrics({"train_loss": 1.0 / step}, step)
     _pause(server, signal.SIGSTOP)
@@ -82,14 +84,14 @@ def test_metrics_logged_while_the_server_hangs_arrive_once_it_answers_again(mlfl
     logger.close(timeout=60)
     assert _steps(uri, run_id) == [1, 2, 3, 4, 5, 6]
     assert int(MlflowClient(uri).get_run(run_id).data.tags["mlflow_failed_calls"]) >= 2
-    assert not (tmp_path / "unsent.jsonl").exists()
+    assert not (tmp_path / JOURNAL).exists()
 
 
 def test_metrics_the_server_never_takes_are_kept_on_disk(mlflow_server, monkeypatch, tmp_path):
     uri, server = mlflow_server
     run_id = _new_run(uri)
     fail_fast_http(monkeypatch)
-    logger = tracking.RunLogger(uri, run_id, tmp_path / "unsent.jsonl", retry_seconds=0.5)
+    logger = RunLogger(uri, run_id, RunDir(str(tmp_path)), retry_seconds=0.5)
     _pause(server, signal.SIGSTOP)
     try:
         for step in (1, 2):
@@ -97,8 +99,8 @@ def test_metrics_the_server_never_takes_are_kept_on_disk(mlflow_server, monkeypa
         logger.close(timeout=3)
     finally:
         _pause(server, signal.SIGCONT)
-    kept = [json.loads(line) for line in (tmp_path / "unsent.jsonl").read_text().splitlines()]
-    assert sorted((k["key"], k["step"]) for k in kept) == [("grad_norm", 1), ("grad_norm", 2),
+    kept = [json.loads(line) for line in (tmp_path / JOURNAL).read_text().splitlines()]
+    assert sorted((k["metric"], k["step"]) for k in kept) == [("grad_norm", 1), ("grad_norm", 2),
                                                           ("train_loss", 1), ("train_loss", 2)]
 
 

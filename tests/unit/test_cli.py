@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from app.layout import RunDir
 from jobs.finetune import main
 from tests.helpers import EMBEDDED_CONFIG, REPO, chat, write_jsonl
 
@@ -52,12 +53,13 @@ def test_lora_target_modules_are_checked_against_the_model(run_cli):
 def test_an_earlier_run_is_never_overwritten_and_resume_needs_one(embedded, tmp_path, capsys):
     base = ["--config", str(EMBEDDED_CONFIG), "--set", f"train.output_dir={tmp_path}",
             "--set", f"model.path={embedded['model']}", "--set", f"data.eval_path={embedded['eval']}"]
-    (tmp_path / "mine").mkdir()
+    RunDir(str(tmp_path / "mine")).write_record("an-earlier-mlflow-run")
     assert main(base + ["--set", "train.run_name=mine"]) == 2
     assert "holds an earlier run; pass --resume to continue it" in capsys.readouterr().err
     assert main(base + ["--resume", "other"]) == 2
     assert "--resume: no run to resume at" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == [tmp_path / "mine"]
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["run.json"]  # the claim is released
 
 
 def test_the_process_exits_nonzero_with_one_line(tmp_path):

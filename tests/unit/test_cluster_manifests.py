@@ -96,16 +96,60 @@ def test_the_rayjob_runs_a_valid_config_that_fits_its_cluster_and_logs_to_the_ml
     assert env["env_vars"]["HF_TOKEN"] == "${HF_TOKEN}"  # expanded on the node, never in the job spec
 
 
-def test_the_mlflow_server_has_a_database_an_artifact_store_and_no_public_service():
+def test_the_mlflow_server_logs_users_in_and_keeps_its_secrets_out_of_argv():
     [server] = containers(DOCS[("Deployment", "mlflow")]["spec"]["template"])
-    args = " ".join(server["args"])
-    assert server["image"] == IMAGE and "--serve-artifacts" in args
-    assert "--backend-store-uri=$(MLFLOW_BACKEND_STORE_URI)" in args and "--artifacts-destination=s3://" in args
-    backend = next(e for e in server["env"] if e["name"] == "MLFLOW_BACKEND_STORE_URI")
-    assert backend["valueFrom"]["secretKeyRef"]["name"] == "mlflow-db"  # the password is not in the manifest
-    postgres = DOCS[("StatefulSet", "mlflow-postgres")]["spec"]["template"]["spec"]["containers"][0]
-    assert postgres["image"].startswith("postgres:")
-    assert DOCS[("NetworkPolicy", "mlflow-from-ray-only")]["spec"]["podSelector"]["matchLabels"] == {"app": "mlflow"}
+    args = " ".join(server["command"] + server["args"])
+    assert server["image"] == IMAGE and "--serve-artifacts" in args and "--artifacts-destination=s3://" in args
+    assert "--app-name=basic-auth" in args  # MLflow's login: jobs as an edit-rights user, people as admin
+    assert "$(" not in args and "backend-store-uri" not in args  # Kubernetes would expand a secret into argv
+    env = {e["name"]: e for e in server["env"]}
+    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-db"
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-auth"
+    for spec in RAY_CLUSTER_SPECS.values():
+        for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
+            ray_env = {e["name"]: e for e in containers(template)[0]["env"]}
+            assert ray_env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-jobs-user"
+            assert ray_env["FINETUNE_STORAGE"]["value"] == "/mnt/shared"  # runs never land in a job's working dir
+
+
+def test_network_policies_let_only_ray_reach_mlflow_and_only_mlflow_reach_postgres():
+    to_mlflow = DOCS[("NetworkPolicy", "mlflow-from-ray-only")]["spec"]
+    assert to_mlflow["podSelector"]["matchLabels"] == {"app": "mlflow"}
+    to_postgres = DOCS[("NetworkPolicy", "postgres-from-mlflow-only")]["spec"]
+    assert to_postgres["podSelector"]["matchLabels"] == {"app": "mlflow-postgres"}
+    assert to_postgres["policyTypes"] == ["Ingress"]
+    assert to_postgres["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "mlflow"}}}],
+                                       "ports": [{"port": 5432, "protocol": "TCP"}]}]
+    postgres = DOCS[("StatefulSet", "mlflow-postgres")]["spec"]["template"]["metadata"]["labels"]
+    assert postgres == {"app": "mlflow-postgres"}
+
+
+def pod_specs(node) -> list[dict]:
+    """Every pod spec of the manifests: the specs that hold containers."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            found.append(node)
+        for value in node.values():
+            found += pod_specs(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += pod_specs(value)
+    return found
+
+
+def test_every_pod_runs_unprivileged_with_no_service_account_token():
+    specs = pod_specs(list(DOCS.values()))
+    assert len(specs) >= 7  # ray heads and workers, mlflow, its bootstrap job, postgres
+    for spec in specs:
+        names = [c["name"] for c in spec["containers"]]
+        assert spec["automountServiceAccountToken"] is False, names
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, names
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, names
+        for container in spec["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}, container["name"]
 
 
 def test_nothing_is_exposed_and_no_secret_is_written_in_a_manifest():

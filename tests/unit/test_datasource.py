@@ -80,3 +80,26 @@ def test_a_file_that_is_not_utf8_is_named_by_line(tmp_path):
     bad.write_bytes(json.dumps(chat("q", "a")).encode() + b"\n" + '{"text": "caf\xe9"}'.encode("latin-1") + b"\n")
     with pytest.raises(UserInputError, match=r"latin1.jsonl:2: not UTF-8 text .* convert the file to UTF-8"):
         _check(bad)
+
+
+def test_a_remote_source_is_checked_on_a_sample_before_the_cluster_starts(tmp_path):
+    """file:// stands in for s3:// and gs://: the same pyarrow filesystem calls read it."""
+    good = write_jsonl(tmp_path / "good.jsonl", [chat("q", "a")] * 3)
+    assert check_source(resolve_source(good.as_uri()), "auto") == -1  # fine; counted when Ray Data reads it
+    bad = write_jsonl(tmp_path / "bad.jsonl", [chat("q", "a"), {"question": "q"}])
+    with pytest.raises(UserInputError, match=r"file://.*bad.jsonl:2: record needs fields"):
+        check_source(resolve_source(bad.as_uri()), "auto")
+    pq.write_table(pa.table({"question": ["q"]}), tmp_path / "remote.parquet")
+    with pytest.raises(UserInputError, match=r"remote.parquet: columns \['question'\] lack the fields"):
+        check_source(resolve_source((tmp_path / "remote.parquet").as_uri()), "auto")
+    with pytest.raises(UserInputError, match=r"data.train_path=file://.*missing.jsonl: cannot read it"):
+        check_source(resolve_source((tmp_path / "missing.jsonl").as_uri()), "auto")
+
+
+def test_a_line_over_the_record_limit_is_named(tmp_path, monkeypatch):
+    import app.datasource
+
+    monkeypatch.setattr(app.datasource, "MAX_RECORD_BYTES", 200)  # the limit is 16 MiB; a small one tests the rule
+    long = write_jsonl(tmp_path / "long.jsonl", [chat("q", "a"), chat("q" * 200, "a")])
+    with pytest.raises(UserInputError, match=r"long.jsonl:2: a line of 287 bytes, over the 200 bytes a record may"):
+        _check(long)

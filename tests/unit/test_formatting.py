@@ -105,3 +105,9 @@ def test_a_config_chat_template_replaces_the_tokenizers_own(embedded):
     broken = load_tokenizer(ModelSection(path=str(embedded["model"])), "{% for m in messages %}{{ m.nope() }}")
     with pytest.raises(UserInputError, match="data.chat_template: its chat template cannot render"):
         check_chat_template(broken, "data.chat_template")
+
+
+def test_records_without_their_fields_are_marked_for_dropping_not_fatal(tokenizer):
+    """Only data the driver could not check whole (remote, past its sample) can hold them."""
+    rows = tokenize_rows([{"prompt": "Write 5.", "completion": "five"}, {"question": "?"}], tokenizer, "auto", 32)
+    assert rows["targets"][0] > 0 and rows["targets"][1] == -1

@@ -116,3 +116,17 @@ def test_a_checkpoint_missing_a_weight_is_named_in_the_driver(embedded, tmp_path
     with pytest.raises(UserInputError, match="no weight in its safetensors files for "
                                              "model.layers.1.mlp.down_proj.weight; the checkpoint does not match"):
         sharded_loading_problem(load_config(None, [f"model.path={model_path}"]).model)
+
+
+def test_fused_experts_make_the_job_load_the_model_whole_with_a_warning(embedded, tmp_path, capsys):
+    """Mixtral's checkpoint stores each expert apart; transformers stacks them into one tensor on load,
+    which no row slice of the file gives: the driver switches to model.load=full and says why."""
+    from app.inputs import with_loadable_model
+
+    model_path = tiny_checkpoint("mixtral", tmp_path / "mixtral", embedded["model"])
+    cfg = load_config(None, [f"model.path={model_path}", "model.load=sharded"])
+    capsys.readouterr()
+    assert with_loadable_model(cfg).model.load == "full"
+    warning = capsys.readouterr().err.strip()
+    assert warning.startswith("warning: model.load=sharded: transformers builds model.layers.0.mlp.experts.")
+    assert warning.endswith("every worker loads the whole model instead (model.load=full)") and "\n" not in warning

@@ -13,6 +13,7 @@ import torch
 
 from app.formatting import tokenize_rows
 from app.hardware import has_fast_bf16, resolve_dtype
+from app.layout import RunDir
 from app.model import load_tokenizer
 from app.ranks import RankContext
 from app.recipe import FinetuneRecipe
@@ -45,7 +46,7 @@ class RecordingTracker:
         self.metrics: dict[int, dict[str, float]] = {}
         self.params: dict[str, str] = {}
 
-    def log_metrics(self, metrics, step):
+    def log_metrics(self, metrics, step, once_per_step=True):
         self.metrics.setdefault(step, {}).update(metrics)
 
     def log_params(self, params):
@@ -75,7 +76,7 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
         tracker = RecordingTracker()
         summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
                                  DirectoryCheckpoints(Path(out) / name, restore_from),
-                                 Path(out) / name / "adapter").train()
+                                 RunDir(str(Path(out) / name))).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics, "params": tracker.params}
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
@@ -99,6 +100,7 @@ def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp
     assert restored["summary"]["initial_eval_loss"] == whole["summary"]["initial_eval_loss"]
     for name in ("whole", "restored"):
         assert (tmp_path / name / "adapter" / "adapter_model.safetensors").exists()
+        assert RunDir(str(tmp_path / name)).adapter_complete()
     # the embedded config's `auto` dtypes resolve by this machine's hardware, and the choice is logged
     expected = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
     assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected}

@@ -1,0 +1,77 @@
+"""Where the paths of a config point: the same config must work on a laptop and under `ray job submit`.
+
+Locally, relative paths resolve against the current directory. Under `ray job submit` the current
+directory is Ray's unpacked copy of the upload, shared by jobs with the same code and deleted when Ray
+evicts it: nothing may be written there, and what .gitignore lists (.cache/) was never uploaded. So in
+a job, relative paths that the upload does not hold resolve against the cluster's shared storage,
+`$FINETUNE_STORAGE` (cluster/local-up.sh and the manifests set it), and a relative output directory
+always does (or the job stops with one line, before anything starts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from app.errors import UserInputError
+
+STORAGE_ENV = "FINETUNE_STORAGE"
+
+
+def in_ray_job() -> bool:
+    """True in the driver of a `ray job submit` job."""
+    return bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+
+
+def shared_storage() -> str | None:
+    return os.environ.get(STORAGE_ENV) or None
+
+
+def looks_local(path: str) -> bool:
+    """A path, not a hub id: it starts with '.', '/' or '~', has a data file's suffix, or has other than
+    exactly one '/' (a hub id is `org/name`)."""
+    return (path.startswith((".", "/", "~")) or path.count("/") != 1
+            or Path(path).suffix in {".jsonl", ".json", ".parquet"} or Path(path).exists())
+
+
+def input_path(path: str | None) -> str | None:
+    """A model or data location made absolute; URIs and hub ids stay as they are."""
+    if path is None or "://" in path or not looks_local(path):
+        return path
+    p = Path(path).expanduser()
+    if not p.is_absolute() and in_ray_job() and not p.exists() and shared_storage():
+        return _join(shared_storage(), path)
+    return str(p.resolve())
+
+
+def output_dir(path: str) -> str:
+    """train.output_dir as an absolute path or URI; in a job, never inside the job's working directory."""
+    if "://" in path or Path(path).expanduser().is_absolute():
+        return path if "://" in path else str(Path(path).expanduser())
+    if in_ray_job():
+        if not shared_storage():
+            raise UserInputError(
+                f"train.output_dir={path} is relative, and under `ray job submit` that is Ray's temporary copy "
+                f"of the upload: give an absolute path or URI every node reaches (e.g. s3://bucket/runs), or "
+                f"set {STORAGE_ENV} on the cluster (cluster/local-up.sh and cluster/k8s do)")
+        return _join(shared_storage(), path)
+    return str(Path(path).resolve())
+
+
+def _join(root: str, relative: str) -> str:
+    relative = relative.removeprefix("./")
+    return f"{root.rstrip('/')}/{relative}" if "://" in root else str(Path(root) / relative)
+
+
+def export_credentials(uri: str) -> str:
+    """`https://user:pass@host/x` -> `https://host/x`, with user and password moved to the environment
+    variables MLflow's client reads (MLFLOW_TRACKING_USERNAME / _PASSWORD); other URIs unchanged."""
+    parts = urlsplit(uri)
+    if not parts.username and not parts.password:
+        return uri
+    for variable, value in (("MLFLOW_TRACKING_USERNAME", parts.username), ("MLFLOW_TRACKING_PASSWORD", parts.password)):
+        if value is not None:
+            os.environ.setdefault(variable, unquote(value))
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=host))

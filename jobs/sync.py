@@ -1,0 +1,39 @@
+"""Send a run's kept records to MLflow once the tracking server is back.
+
+    python -m jobs.sync RUN_NAME [--config jobs/configs/embedded.yaml] [--set train.output_dir=...]
+
+The run directory is found the way the job found it (train.output_dir of the config, `$FINETUNE_STORAGE`
+in a job). On a cluster, run it where that storage is: `python -m jobs.submit sync RUN_NAME` submits
+this command as a job. Prints what was sent as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from app.config import load_config
+from app.errors import UserInputError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.sync", description=__doc__.split("\n")[0])
+    parser.add_argument("run_name")
+    parser.add_argument("--config", default="jobs/configs/embedded.yaml", help="the config the run was started with")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run_name}"])
+        from app.sync import sync_run
+
+        sent = sync_run(cfg.run_dir, cfg.mlflow.tracking_uri)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"run_dir": cfg.run_dir.root, "tracking_uri": cfg.mlflow.tracking_uri, "sent": sent}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

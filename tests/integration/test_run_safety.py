@@ -1,0 +1,126 @@
+"""A run keeps what it made when things go wrong at the end: a tracking server that dies and never comes
+back, two jobs started with one run name, an adapter export that was interrupted. Real Ray, a real
+`mlflow server` (killed with SIGKILL), real jobs (`python -m jobs.finetune` processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from app.launcher import run_finetune
+from tests.helpers import EMBEDDED_CONFIG, REPO, free_port, make_config
+
+pytestmark = pytest.mark.e2e
+QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4", "train.log_every=1",
+         "train.sample_prompts=2", "train.sample_max_new_tokens=4"]
+
+
+def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                               "--port", str(port), "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                               "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            return server, uri
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("mlflow server did not start")
+
+
+def job_command(embedded, out: Path, *overrides: str) -> list[str]:
+    paths = [f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
+             f"data.eval_path={embedded['eval']}", f"train.output_dir={out}"]
+    return [sys.executable, "-m", "jobs.finetune", "--config", str(EMBEDDED_CONFIG),
+            *(arg for item in [*paths, *overrides] for arg in ("--set", item))]
+
+
+def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_the_rest(embedded, tmp_path):
+    server, uri = start_mlflow(tmp_path / "mlflow")
+    out, run_name = tmp_path / "outputs", "outage"
+    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    job = subprocess.Popen(job_command(embedded, out, *QUICK, f"mlflow.tracking_uri={uri}",
+                                       f"train.run_name={run_name}"), cwd=REPO, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not list((out / run_name).glob("checkpoint_*")) and time.time() < deadline:  # training is under way
+        time.sleep(0.5)
+    os.killpg(server.pid, signal.SIGKILL)  # the server and its workers, for good
+    stdout, stderr = job.communicate(timeout=600)
+    assert job.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])  # the summary is still the last line
+    assert summary["steps"] == 12 and summary["mlflow_synced"] is False
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    adapter = Path(summary["adapter_path"])
+    assert (adapter / "COMPLETE").exists() and (adapter / "adapter_model.safetensors").exists()
+    journal = [json.loads(line) for line in (out / run_name / "unsent.jsonl").read_text().splitlines()]
+    assert {"status": "FINISHED"} in journal and any(e.get("artifacts") == "adapter" for e in journal)
+    assert "unsent records written to" in stderr or "could not log" in stderr
+
+    server, uri = start_mlflow(tmp_path / "mlflow")  # back, on the same store
+    try:
+        synced = subprocess.run([sys.executable, "-m", "jobs.sync", run_name, "--config", str(EMBEDDED_CONFIG),
+                                 "--set", f"train.output_dir={out}", "--set", f"mlflow.tracking_uri={uri}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert synced.returncode == 0, synced.stderr[-3000:]
+        client = MlflowClient(uri)
+        run = client.get_run(summary["mlflow_run_id"])
+        assert run.info.status == "FINISHED"
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss")) == list(range(1, 13))
+        assert run.data.metrics["final_eval_loss"] == pytest.approx(summary["final_eval_loss"])
+        assert "adapter/adapter_model.safetensors" in {f.path for f in client.list_artifacts(run.info.run_id,
+                                                                                              "adapter")}
+        assert not (out / run_name / "unsent.jsonl").exists()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(ray_cluster, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, *QUICK, "train.run_name=twins")
+    first = threading.Thread(target=lambda: results.append(run_finetune(cfg)))
+    results: list[dict] = []
+    first.start()
+    deadline = time.time() + 120
+    while not (tmp_path / "outputs" / "twins" / "writer.json").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    second = subprocess.run(job_command(embedded, tmp_path / "outputs", *QUICK, "train.run_name=twins"),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    first.join(timeout=600)
+    assert second.returncode == 2
+    assert second.stderr.startswith("error: train.run_name=twins: another job (pid") and second.stderr.count("\n") == 1
+    assert results and results[0]["steps"] == 12
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id],
+                              "attributes.run_name = 'twins'")
+    assert len(runs) == 1  # the second job left no orphan MLflow run
+    assert not (tmp_path / "outputs" / "twins" / "writer.json").exists()  # released at the end
+
+
+def test_an_interrupted_adapter_export_is_redone_by_resume(ray_cluster, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, *QUICK, "train.max_steps=6", "train.run_name=export")
+    first = run_finetune(cfg)
+    adapter = Path(first["adapter_path"])
+    exported = load_file(adapter / "adapter_model.safetensors")
+    (adapter / "COMPLETE").unlink()  # as if the job had stopped halfway through writing it
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 100)
+    resumed = run_finetune(cfg, resume=True)
+    assert resumed["mlflow_run_id"] == first["mlflow_run_id"] and resumed["steps"] == 6
+    assert (adapter / "COMPLETE").exists()
+    again = load_file(adapter / "adapter_model.safetensors")
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
+    assert MlflowClient(cfg.mlflow.tracking_uri).get_run(first["mlflow_run_id"]).info.status == "FINISHED"

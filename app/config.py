@@ -21,7 +21,7 @@ from app.errors import UserInputError
 from app.layout import OutputDir, RunDir
 
 DType = Literal["bfloat16", "float16", "float32"]
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,127}")  # a directory, an MLflow run and a Ray job id
 AutoDType = Literal["auto", "bfloat16", "float16", "float32"]  # auto: resolved on the workers (app/hardware.py)
 
 
@@ -172,8 +172,8 @@ class FinetuneConfig(_Section):
             raise ValueError("fsdp.cpu_offload=true moves GPU state to host memory; with scaling.use_gpu=false "
                              "everything is in host memory already: set fsdp.cpu_offload=false")
         name = self.train.run_name
-        if name is not None and (not RUN_NAME.fullmatch(name) or name in (".", "..")):
-            raise ValueError(f"train.run_name={name}: use letters, digits, '.', '_' and '-' only (it names a "
+        if name is not None and (not RUN_NAME.fullmatch(name) or ".." in name):
+            raise ValueError(f"train.run_name={name}: use letters, digits and . _ - = , + only, no '..' (it names a "
                              "directory, an MLflow run and a Ray job)")
         if self.fsdp.param_dtype == "float16":
             raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "

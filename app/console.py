@@ -25,7 +25,7 @@ RAY_NOISE = re.compile("|".join([
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))
-WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_LOGGING_LEVEL": "WARNING"}
 
 
 QUIET_LOGGERS = {  # driver loggers and the level below which they are hidden
@@ -39,7 +39,8 @@ QUIET_LOGGERS = {  # driver loggers and the level below which they are hidden
 def quiet_driver_logging() -> None:
     """Before Ray is imported: the driver's Ray, Ray Data and MLflow loggers show warnings and errors only
     (ray.init is then called with the same level: see ray_logging_level)."""
-    os.environ.update(WORKER_ENV_QUIET)
+    for variable, value in WORKER_ENV_QUIET.items():
+        os.environ.setdefault(variable, value)
     for name, level in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
 

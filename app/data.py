@@ -1,13 +1,13 @@
-"""The Ray Data pipeline: read -> format + tokenize (an actor pool) -> fixed-length token rows, and the
-passes over them that the training workers read.
+"""The Ray Data pipeline: read -> format + tokenize (an actor pool, or the driver for small data) ->
+fixed-length token rows, and the passes over them that the training workers read.
 
 Each train source is tokenized once and its rows kept in Ray's object store (which spills to disk).
 Rows that no longer hold a target token after truncation are dropped there and counted. A
 `PassCoordinator` actor then builds every pass the same way for all ranks (app/passes.py): each
-source's share of rows, shuffled together with the pass's seed, split into equal shards in a
-deterministic order. The same seed, pass and worker count always give the same shards, so a restarted
-or resumed run sees the rest of an interrupted pass exactly once. The eval set is small (at most
-`data.max_eval_rows`), tokenized in the driver, held in the object store and read whole by every worker.
+source's share of rows, shuffled together with the pass's seed, cut into equal shards. The same seed,
+pass and worker count always give the same shards, so a restarted or resumed run sees the rest of an
+interrupted pass exactly once. The eval set is small (at most `data.max_eval_rows`), tokenized in the
+driver, held in the object store and read whole by every worker.
 """
 
 from __future__ import annotations
@@ -130,30 +130,56 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     return rows_dataset({"input_ids": rows["input_ids"][keep], "labels": rows["labels"][keep]}), int((~keep).sum())
 
 
-def build_pass(train: TrainData, epoch: int, world_size: int, shuffle: bool) -> list[ray.data.MaterializedDataset]:
-    """One pass: each source's rows for it, shuffled together, in `world_size` equal shards."""
-    parts, plan = [], train.plan
-    for i, (rows, wanted) in enumerate(zip(train.sources, plan.rows_per_pass())):
-        copies = plan.copies_needed(i)
-        part = rows if copies == 1 else rows.union(*[rows] * (copies - 1))
-        if wanted < plan.rows[i] * copies:  # a sample of the source (of its repeats): a seeded one
-            part = (part.random_shuffle(seed=plan.source_seed(epoch, i)) if shuffle else part).limit(wanted)
-        parts.append(part)
-    mixed = parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
+    """For each rank, the (source, row) pairs of its shard of pass `epoch`, in training order: each source's
+    share drawn (repeats where the share is larger than the source), shuffled together with the pass's
+    seed, cut into `world_size` equal, contiguous shards. Plain numpy: the same inputs, the same shards."""
+    picks = []
+    for source, (rows, wanted) in enumerate(zip(plan.rows, plan.rows_per_pass())):
+        rng = np.random.default_rng(plan.source_seed(epoch, source))
+        copies = [rng.permutation(rows) if shuffle else np.arange(rows) for _ in range(plan.copies_needed(source))]
+        picks.append(np.stack([np.full(wanted, source), np.concatenate(copies)[:wanted]], axis=1))
+    order = np.concatenate(picks)
     if shuffle:
-        mixed = mixed.random_shuffle(seed=train.plan.pass_seed(epoch))
-    return mixed.split(world_size, equal=True)
+        order = order[np.random.default_rng(plan.pass_seed(epoch)).permutation(len(order))]
+    per_rank = len(order) // world_size
+    return [order[r * per_rank:(r + 1) * per_rank] for r in range(world_size)]
+
+
+def take_rows(tables: list[pa.Table], order: np.ndarray) -> pa.Table:
+    """The rows `order` names ((source, row) pairs), in that order, from each source's table."""
+    parts, positions = [], []
+    for source, table in enumerate(tables):
+        mine = np.flatnonzero(order[:, 0] == source)
+        if len(mine):
+            parts.append(table.take(pa.array(order[mine, 1])))
+            positions.append(mine)
+    combined = pa.concat_tables(parts)
+    return combined.take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))
+
+
+def shard_batches(table: pa.Table, batch_size: int):
+    """A shard's rows as micro-batches of numpy arrays (the last one may be smaller; every rank's shard has
+    the same number of rows, so every rank gets the same number of batches)."""
+    from ray.data.block import BlockAccessor
+
+    for start in range(0, table.num_rows, batch_size):
+        yield BlockAccessor.for_block(table.slice(start, batch_size)).to_numpy()
 
 
 @ray.remote(num_cpus=0)
 class PassCoordinator:
     """Builds each pass once for all ranks (and the next one ahead), keeps the last two.
 
-    Created by the driver, so it outlives restarted worker groups, which get the same shards again.
+    It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
+    its own process (an index permutation and a gather per rank, put back in the object store): no Ray
+    task runs during training, so a cluster whose CPUs the training workers hold never starves it.
+    Created by the driver, it outlives restarted worker groups, which get the same shards again.
     """
 
     def __init__(self, train: TrainData, world_size: int, shuffle: bool):
-        self.train, self.world_size, self.shuffle = train, world_size, shuffle
+        self.plan, self.world_size, self.shuffle = train.plan, world_size, shuffle
+        self.tables = [pa.concat_tables(ray.get(rows.to_arrow_refs())) for rows in train.sources]
         self._lock = threading.Lock()
         self._ready: dict[int, threading.Event] = {}
         self._built: dict[int, list | BaseException] = {}
@@ -168,12 +194,14 @@ class PassCoordinator:
 
     def _build(self, epoch: int) -> None:
         try:
-            self._built[epoch] = build_pass(self.train, epoch, self.world_size, self.shuffle)
+            self._built[epoch] = [ray.put(take_rows(self.tables, order))
+                                  for order in pass_order(self.plan, epoch, self.world_size, self.shuffle)]
         except BaseException as e:  # handed to the rank that asks for this pass
             self._built[epoch] = e
         self._ready[epoch].set()
 
-    def shard(self, epoch: int, rank: int) -> ray.data.MaterializedDataset:
+    def shard(self, epoch: int, rank: int) -> list:
+        """[a reference to this rank's rows of pass `epoch`] (in a list: Ray would resolve a bare one)."""
         self._start(epoch).wait()
         built = self._built[epoch]
         if isinstance(built, BaseException):
@@ -182,7 +210,7 @@ class PassCoordinator:
         with self._lock:
             for old in [e for e in self._built if e < epoch - 1]:
                 del self._built[old]
-        return built[rank]
+        return [built[rank]]
 
 
 def start_pass_coordinator(train: TrainData, world_size: int, shuffle: bool):

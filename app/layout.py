@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -45,10 +46,6 @@ class OutputDir:
     def mlflow_store(self) -> Path:
         return Path(self.root) / "mlflow.db"
 
-    @property
-    def mlflow_artifacts(self) -> Path:
-        return Path(self.root) / "mlartifacts"
-
     def run(self, name: str) -> RunDir:
         return RunDir(f"{self.root.rstrip('/')}/{name}")
 
@@ -57,7 +54,7 @@ class OutputDir:
 class RunDir:
     root: str  # absolute local path or URI
 
-    @property
+    @cached_property
     def fs(self) -> tuple[pafs.FileSystem, str]:
         return pafs.FileSystem.from_uri(self.root)
 

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from app.config import FinetuneConfig
 from app.datasource import DataSource
 from app.errors import UserInputError
-from app.layout import OutputDir, RunDir
+from app.layout import RunDir
 from app.run_logger import JOURNAL, MAX_PARAM_CHARS, bound_http_calls
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,16 @@ def git_commit(cwd: str | Path = ".") -> str | None:
     return out.stdout.strip() or None
 
 
-def get_or_create_experiment(client: MlflowClient, name: str, output: OutputDir) -> str:
-    """The experiment's id; a new experiment in a local (sqlite) store keeps its artifacts beside the store,
-    not in MLflow's default `./mlruns` of whatever directory the process runs in."""
+def get_or_create_experiment(client: MlflowClient, name: str) -> str:
+    """The experiment's id; a new experiment in a local (sqlite) store keeps its artifacts beside the
+    database file, not in MLflow's default `./mlruns` of whatever directory the process runs in."""
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    local = client.tracking_uri.startswith("sqlite:")
-    return client.create_experiment(name, artifact_location=output.mlflow_artifacts.as_uri() if local else None)
+    artifacts = None
+    if client.tracking_uri.startswith("sqlite:///"):
+        artifacts = (Path(client.tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=artifacts)
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: dict[str, object],
@@ -54,7 +56,7 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
         Path(cfg.output.root).mkdir(parents=True, exist_ok=True)  # the local MLflow store lives there
     client = MlflowClient(cfg.mlflow.tracking_uri)
     tags = tags | {"sweep": cfg.mlflow.sweep, "mlflow.parentRunId": cfg.mlflow.parent_run_id}
-    run = client.create_run(get_or_create_experiment(client, cfg.mlflow.experiment, cfg.output),
+    run = client.create_run(get_or_create_experiment(client, cfg.mlflow.experiment),
                             run_name=cfg.train.run_name,
                             tags={k: v for k, v in tags.items() if v is not None})
     params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in {**cfg.flat(), **extra_params}.items()]

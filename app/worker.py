@@ -14,6 +14,7 @@ import ray.train.torch
 
 from app.checkpoint import TrainerState
 from app.config import FinetuneConfig
+from app.data import shard_batches
 from app.paths import export_credentials
 from app.ranks import RankContext
 from app.recipe import FinetuneRecipe, NoTracking
@@ -74,8 +75,8 @@ def train_worker(launch: WorkerLaunch) -> None:
     eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
 
     def train_pass(epoch: int):
-        shard = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
-        return shard.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
+        [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
+        return shard_batches(ray.get(rows), cfg.train.micro_batch_size)
 
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)

@@ -79,7 +79,7 @@ def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
     project = load_config(None)
     project.output.root.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(project.mlflow.tracking_uri)
-    run = client.create_run(get_or_create_experiment(client, "benchmarks", project.output),
+    run = client.create_run(get_or_create_experiment(client, "benchmarks"),
                             run_name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     now = int(time.time() * 1000)
     params = [Param(k, str(v)) for k, v in result.items() if not isinstance(v, (dict, list))]

@@ -162,7 +162,7 @@ def sweep(client, args: argparse.Namespace, env: dict) -> int:
         load_config(args.config, [*args.overrides, *point_overrides(point),
                                   f"train.run_name={point_name(name, i, point)}"])
     mlflow = MlflowClient(tracking_uri)
-    experiment_id = get_or_create_experiment(mlflow, cfg.mlflow.experiment, cfg.output)
+    experiment_id = get_or_create_experiment(mlflow, cfg.mlflow.experiment)
     parent = mlflow.create_run(experiment_id, run_name=name, tags={"sweep": name, "sweep.role": "parent"})
     mlflow.log_param(parent.info.run_id, "sweep.grid", yaml.safe_dump(grid, default_flow_style=True).strip())
     job_ids = [submit_run(client, args.config, [*args.overrides, *point_overrides(point),

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from app.data import build_pass, build_train_data, start_pass_coordinator
+from app.data import build_train_data, pass_order, shard_batches, start_pass_coordinator, take_rows
 from app.datasource import check_source, resolve_source
 from app.embedded import number_in_words
 from app.formatting import IGNORE_INDEX
@@ -83,36 +83,38 @@ def test_records_truncated_to_no_target_are_dropped_and_counted(ray_cluster, emb
     assert train.dropped_rows == 3 and train.sources[0].count() == 10 and train.plan.rows == (10,)
 
 
-def _answers(rows, tokenizer) -> list[str]:
-    return [tokenizer.decode([t for t, lab in zip(r["input_ids"], r["labels"]) if lab != IGNORE_INDEX],
-                             skip_special_tokens=True).strip() for r in rows]
+def _answers(batches, tokenizer) -> list[str]:
+    """The target text of every row of some numpy batches (what each row teaches)."""
+    rows = [zip(ids, labels) for batch in batches for ids, labels in zip(batch["input_ids"], batch["labels"])]
+    return [tokenizer.decode([t for t, lab in row if lab != IGNORE_INDEX], skip_special_tokens=True).strip()
+            for row in rows]
+
+
+def _pass(train, epoch: int, world: int, shuffle: bool = True) -> list:
+    tables = [pa.concat_tables(ray.get(rows.to_arrow_refs())) for rows in train.sources]
+    return [take_rows(tables, order) for order in pass_order(train.plan, epoch, world, shuffle)]
 
 
 def test_a_sorted_file_gives_mixed_batches_and_every_pass_its_own_order(ray_cluster, embedded, tokenizer, tmp_path):
     cfg = make_config(tmp_path, embedded)
     write_jsonl(tmp_path / "sorted.jsonl", [chat("Say it.", "first")] * 64 + [chat("Say it.", "second")] * 64)
     train, _ = _train_data(cfg, tmp_path / "sorted.jsonl")
-    pass0, pass1 = (build_pass(train, epoch, 2, shuffle=True) for epoch in (0, 1))
-    first_batch = _answers(pass0[0].take(16), tokenizer)
+    pass0, pass1 = _pass(train, 0, 2), _pass(train, 1, 2)
+    first_batch = _answers(shard_batches(pass0[0].slice(0, 16), 16), tokenizer)
     assert {"first", "second"} <= set(first_batch)  # file order would give 16 x "first"
-    assert [s.count() for s in pass0] == [64, 64]
-    order = lambda shards: [list(r["input_ids"]) for s in shards for r in s.take_all()]  # noqa: E731
-    assert order(pass0) == order(build_pass(train, 0, 2, shuffle=True))  # the same seed: the same shards
-    assert _answers(pass0[0].take_all(), tokenizer) != _answers(pass1[0].take_all(), tokenizer)
-    in_file_order = _answers(build_pass(train, 0, 2, shuffle=False)[0].take_all(), tokenizer)
+    assert [s.num_rows for s in pass0] == [64, 64]
+    assert all(a.equals(b) for a, b in zip(pass0, _pass(train, 0, 2)))  # the same seed: the same shards
+    assert _answers(shard_batches(pass0[0], 64), tokenizer) != _answers(shard_batches(pass1[0], 64), tokenizer)
+    in_file_order = _answers(shard_batches(_pass(train, 0, 2, shuffle=False)[0], 64), tokenizer)
     assert in_file_order == ["first"] * 64  # data.shuffle=false: file order
 
 
 def _consume(coordinator, rank: int, batches: int, skip_rows: int, tokenizer) -> list[str]:
     def one_pass(epoch):
-        return ray.get(coordinator.shard.remote(epoch, rank)).iter_torch_batches(batch_size=4)
+        [rows] = ray.get(coordinator.shard.remote(epoch, rank))
+        return shard_batches(ray.get(rows), 4)
     stream = ShardStream(one_pass, torch.device("cpu"), epoch=0, skip_rows=skip_rows)
-    seen = []
-    for _ in range(batches):
-        batch = next(stream)
-        seen += _answers([{"input_ids": i, "labels": lab} for i, lab in zip(batch["input_ids"].tolist(),
-                                                                         batch["labels"].tolist())], tokenizer)
-    return seen
+    return _answers([next(stream) for _ in range(batches)], tokenizer)
 
 
 def test_a_resumed_pass_trains_every_row_exactly_once(ray_cluster, embedded, tokenizer, tmp_path):
@@ -141,6 +143,5 @@ def test_a_mixture_draws_each_source_in_its_share(ray_cluster, embedded, tmp_pat
     write_jsonl(tmp_path / "small.jsonl", _numbered(10, start=500))
     train, _ = _train_data(cfg, *cfg.data.train_paths)
     assert train.plan.names == ("big", "small") and train.plan.rows_per_pass() == [25, 25]
-    shards = build_pass(train, 0, 2, shuffle=True)
-    sources = [r["source"] for s in shards for r in s.take_all()]
+    sources = np.concatenate([s.column("source").to_numpy() for s in _pass(train, 0, 2)]).tolist()
     assert (sources.count(0), sources.count(1)) == (25, 25)  # the small source repeated to fill its half

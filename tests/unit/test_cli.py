@@ -68,3 +68,20 @@ def test_the_process_exits_nonzero_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
     assert "must be a multiple of train.micro_batch_size x scaling.num_workers = 48" in proc.stderr
+
+
+def test_the_inputs_users_get_wrong_on_a_cluster_are_one_line_each(run_cli, tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "caf\xe9"}\n')
+    assert f"{latin1}:1: not UTF-8 text" in run_cli(f"data.train_path={latin1}")
+    assert "train.run_name=../escape: use letters, digits" in run_cli("train.run_name=../escape")
+    assert "--set train.max_steps=[1: the value is not valid YAML" in run_cli("train.max_steps=[1")
+    remote = write_jsonl(tmp_path / "remote.jsonl", [chat("q", "a"), {"question": "q"}])
+    assert f"{remote.as_uri()}:2: record needs fields" in run_cli(f"data.train_path={remote.as_uri()}")
+    assert "data.mixture_weights=[1.0] must give one positive weight" in run_cli(
+        f"data.train_path=[{remote}, {remote}]", "data.mixture_weights=[1.0]")
+
+
+def test_a_local_looking_model_path_that_does_not_exist_is_never_looked_up_on_the_hub(run_cli):
+    for path in ("./models/mine", "models/org/name", "~/models/mine"):
+        assert "no such directory" in run_cli(f"model.path={path}")

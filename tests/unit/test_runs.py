@@ -74,6 +74,7 @@ def test_a_job_entrypoint_never_carries_credentials():
 @pytest.mark.parametrize("override, message", [
     ("train.run_name=../other", r"train.run_name=../other: use letters, digits"),
     ("train.run_name=a/b", r"train.run_name=a/b: use letters, digits"),
+    ("train.run_name=a..b", r"train.run_name=a..b: use letters, digits"),
     ("train.max_steps=[1, 2", r"--set train.max_steps=\[1, 2: the value is not valid YAML"),
 ])
 def test_run_names_and_set_values_are_checked(override, message):
@@ -167,3 +168,16 @@ def test_a_hub_model_is_pinned_to_the_commit_its_revision_names(monkeypatch):
     with pytest.raises(UserInputError, match=r"model.path=org/missing: cannot resolve revision main on the hub "
                                              r"\(404 Client Error"):
         pin_hub_revision(load_config(EMBEDDED_CONFIG, ["model.path=org/missing"]))
+
+
+def test_runs_left_running_by_ended_jobs_are_ended_with_their_jobs_outcome(tmp_path):
+    from app.tracking import reconcile_runs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    killed = client.create_run(experiment, run_name="a", tags={"ray.job_submission_id": "job-a"}).info.run_id
+    alive = client.create_run(experiment, run_name="b", tags={"ray.job_submission_id": "job-b"}).info.run_id
+    changed = reconcile_runs(uri, {"job-a": "STOPPED"})
+    assert changed == ["MLflow run a: RUNNING -> KILLED (its job job-a is STOPPED)"]
+    assert client.get_run(killed).info.status == "KILLED" and client.get_run(alive).info.status == "RUNNING"

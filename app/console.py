@@ -25,7 +25,8 @@ RAY_NOISE = re.compile("|".join([
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))
-WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_LOGGING_LEVEL": "WARNING"}
+WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                    "MLFLOW_LOGGING_LEVEL": "WARNING"}
 
 
 QUIET_LOGGERS = {  # driver loggers and the level below which they are hidden

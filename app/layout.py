@@ -184,6 +184,7 @@ class RunDir:
             partial = Path(self.path(f"adapter.partial-{os.getpid()}"))
             shutil.copytree(local_folder, partial)
             (partial / ADAPTER_COMPLETE).write_text(stamp)
+            _readable_as_umask_allows(partial)  # the staging folder was private to this process
             if Path(self.adapter).exists():
                 shutil.rmtree(self.adapter)
             os.rename(partial, self.adapter)
@@ -209,6 +210,14 @@ class RunDir:
         else:
             target.write_bytes(filesystem.open_input_stream(where).read())
         return str(target), holder
+
+
+def _readable_as_umask_allows(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 class RunBusy(Exception):

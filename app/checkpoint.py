@@ -33,6 +33,7 @@ class TrainerState:
     rows_into_epoch: int  # global rows of the current pass already trained on
     scheduler: dict
     initial_eval_loss: float  # of the untrained model, kept for the run's summary
+    train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
 
 
 def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState) -> None:

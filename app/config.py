@@ -281,7 +281,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Fi
     except ValidationError as e:
         raise UserInputError(_one_line(e, source)) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return _resolved(cfg, default_run_name=f"{Path(path).stem if path else 'finetune'}-{stamp}")
+    stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", Path(path).stem if path else "finetune").strip(".-") or "finetune"
+    return _resolved(cfg, default_run_name=f"{stem.replace('..', '.')}-{stamp}")
 
 
 def _template_text(template: str | None) -> str | None:

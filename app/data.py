@@ -12,6 +12,9 @@ driver, held in the object store and read whole by every worker.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import threading
 from dataclasses import dataclass
 
@@ -23,9 +26,10 @@ from ray.data.expressions import col
 
 from app.config import DataSection, ModelSection
 from app.datasource import DataSource, load_hf_disk, read_json_array
+from app.errors import UserInputError
 from app.formatting import tokenize_rows
 from app.model import load_tokenizer
-from app.passes import PassPlan, source_names
+from app.passes import PassPlan, pass_order, source_names, take_rows
 
 
 def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:
@@ -94,18 +98,32 @@ def rows_dataset(rows: dict[str, np.ndarray], block_rows: int = 4096) -> ray.dat
                                 for i in range(0, max(count, 1), block_rows)])
 
 
+def is_held_out(record: dict, fraction: float, seed: int) -> bool:
+    """Whether a record belongs to the eval split: decided by a hash of its content and the seed, so it is
+    the same on any cluster, in any block layout, in a resumed job (about `fraction` of the records)."""
+    digest = hashlib.sha256(f"{seed}:{json.dumps(record, sort_keys=True, default=str)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def in_split(record: dict, fraction: float, seed: int, held: bool) -> bool:
+    return is_held_out(record, fraction, seed) == held
+
+
 def build_train_data(sources: list[DataSource], records_hint: list[int], tokenizer, model: ModelSection,
-                     data: DataSection, seed: int, eval_fraction: float | None) -> tuple[TrainData, list]:
+                     data: DataSection, seed: int, eval_fraction: float | None,
+                     world_size: int = 1) -> tuple[TrainData, list]:
     """Tokenize every source once; with `eval_fraction`, first hold that share of each out (returned raw).
 
     `records_hint`: each source's record count as the driver's check found it (-1: unknown, remote).
     """
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # row i is the same row in every job
     token_rows, held_out, dropped, malformed = [], [], 0, 0
     for i, (source, records_count) in enumerate(zip(sources, records_hint)):
         records = read_records(source, data)
         if eval_fraction is not None:
-            records, eval_part = records.train_test_split(test_size=eval_fraction, shuffle=True, seed=seed)
-            held_out.append(eval_part)
+            split = functools.partial(in_split, fraction=eval_fraction, seed=seed)
+            held_out.append(records.filter(functools.partial(split, held=True)))
+            records = records.filter(functools.partial(split, held=False))
         if 0 <= records_count < data.tokenize_in_driver_below:
             rows = tokenized_in_driver(records, tokenizer, data, i).materialize()
         else:
@@ -117,6 +135,13 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
         token_rows.append(trainable)
     plan = PassPlan(source_names([s.location for s in sources]), tuple(ds.count() for ds in token_rows),
                     tuple(data.mixture_weights) if data.mixture_weights else None, seed)
+    for name, rows in zip(plan.names, plan.rows):
+        if rows == 0:
+            raise UserInputError(f"data.train_path: {name} has no record left to train on (every one lacks its "
+                                 f"fields or a target token within data.max_seq_len={data.max_seq_len})")
+    if sum(plan.rows_per_pass()) < world_size:
+        raise UserInputError(f"data.train_path: {sum(plan.rows_per_pass())} training records for "
+                             f"scaling.num_workers={world_size}; every worker needs at least one")
     return TrainData(token_rows, plan, dropped, malformed), held_out
 
 
@@ -128,34 +153,6 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
     keep = rows["targets"] > 0
     return rows_dataset({"input_ids": rows["input_ids"][keep], "labels": rows["labels"][keep]}), int((~keep).sum())
-
-
-def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
-    """For each rank, the (source, row) pairs of its shard of pass `epoch`, in training order: each source's
-    share drawn (repeats where the share is larger than the source), shuffled together with the pass's
-    seed, cut into `world_size` equal, contiguous shards. Plain numpy: the same inputs, the same shards."""
-    picks = []
-    for source, (rows, wanted) in enumerate(zip(plan.rows, plan.rows_per_pass())):
-        rng = np.random.default_rng(plan.source_seed(epoch, source))
-        copies = [rng.permutation(rows) if shuffle else np.arange(rows) for _ in range(plan.copies_needed(source))]
-        picks.append(np.stack([np.full(wanted, source), np.concatenate(copies)[:wanted]], axis=1))
-    order = np.concatenate(picks)
-    if shuffle:
-        order = order[np.random.default_rng(plan.pass_seed(epoch)).permutation(len(order))]
-    per_rank = len(order) // world_size
-    return [order[r * per_rank:(r + 1) * per_rank] for r in range(world_size)]
-
-
-def take_rows(tables: list[pa.Table], order: np.ndarray) -> pa.Table:
-    """The rows `order` names ((source, row) pairs), in that order, from each source's table."""
-    parts, positions = [], []
-    for source, table in enumerate(tables):
-        mine = np.flatnonzero(order[:, 0] == source)
-        if len(mine):
-            parts.append(table.take(pa.array(order[mine, 1])))
-            positions.append(mine)
-    combined = pa.concat_tables(parts)
-    return combined.take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))
 
 
 def shard_batches(table: pa.Table, batch_size: int):
@@ -194,11 +191,13 @@ class PassCoordinator:
 
     def _build(self, epoch: int) -> None:
         try:
-            self._built[epoch] = [ray.put(take_rows(self.tables, order))
-                                  for order in pass_order(self.plan, epoch, self.world_size, self.shuffle)]
+            built = [ray.put(take_rows(self.tables, order))
+                     for order in pass_order(self.plan, epoch, self.world_size, self.shuffle)]
         except BaseException as e:  # handed to the rank that asks for this pass
-            self._built[epoch] = e
-        self._ready[epoch].set()
+            built = e
+        with self._lock:
+            self._built[epoch] = built
+            self._ready[epoch].set()
 
     def shard(self, epoch: int, rank: int) -> list:
         """[a reference to this rank's rows of pass `epoch`] (in a list: Ray would resolve a bare one)."""
@@ -207,11 +206,17 @@ class PassCoordinator:
         if isinstance(built, BaseException):
             raise built
         self._start(epoch + 1)
-        with self._lock:
+        with self._lock:  # a restarted worker group asking for an older pass again gets it rebuilt
             for old in [e for e in self._built if e < epoch - 1]:
-                del self._built[old]
+                del self._built[old], self._ready[old]
         return [built[rank]]
 
 
 def start_pass_coordinator(train: TrainData, world_size: int, shuffle: bool):
-    return PassCoordinator.options(max_concurrency=world_size + 2).remote(train, world_size, shuffle)
+    """On the driver's node (the job ends with it anyway), restarted if its process dies: it rebuilds any
+    pass from the token rows, which the driver owns."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return PassCoordinator.options(max_concurrency=world_size + 2, max_restarts=-1, max_task_retries=-1,
+                                   scheduling_strategy=here).remote(train, world_size, shuffle)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -84,7 +85,8 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
     data.max_seq_len left without a target token are not trained on (a NaN-loss step otherwise)."""
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
     train, held_out = build_train_data(inputs.train, inputs.train_rows, inputs.tokenizer, cfg.model, cfg.data,
-                                       cfg.train.seed, None if inputs.eval else cfg.data.eval_fraction)
+                                       cfg.train.seed, None if inputs.eval else cfg.data.eval_fraction,
+                                       cfg.scaling.num_workers)
     eval_sources = [read_records(inputs.eval, cfg.data)] if inputs.eval else held_out
     eval_rows, eval_dropped = build_eval_rows(eval_sources, inputs.tokenizer, cfg.data)
     if train.dropped_rows or eval_dropped:
@@ -103,7 +105,9 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
 def build_trainer(cfg: FinetuneConfig, train: TrainData, eval_rows: ray.data.Dataset, run_id: str,
                   job_start_time: float, verbose: bool = False) -> TorchTrainer:
     passes = start_pass_coordinator(train, cfg.scaling.num_workers, cfg.data.shuffle)
-    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names)
+    credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+                   if k in os.environ}
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
     return TorchTrainer(
@@ -155,6 +159,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
             raise
         finally:
             recorded = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
+    summary = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in summary.items()}
     return {
         "mlflow_run_id": run_id,
         "tracking_uri": cfg.mlflow.tracking_uri,

@@ -145,7 +145,7 @@ class RunDir:
         if current is not None:
             if still_running(current):
                 raise RunBusy(current)
-            self.delete("writer.json")
+            self._retire_claim(current)
         text = json.dumps(owner)
         if self.is_local:
             Path(self.root).mkdir(parents=True, exist_ok=True)
@@ -161,11 +161,32 @@ class RunDir:
         if self.writer() != owner:
             raise RunBusy(self.writer() or {})
 
+    def _retire_claim(self, stale: dict) -> None:
+        """Set a dead writer's claim aside. Locally by an atomic rename, so that of two jobs taking over the
+        same stale claim only one succeeds (the other then meets the winner's new claim)."""
+        if not self.is_local:
+            self.delete("writer.json")
+            return
+        aside = self.path(f"writer.json.stale-{os.getpid()}-{time.time_ns()}")
+        try:
+            os.rename(self.path("writer.json"), aside)
+        except FileNotFoundError:
+            raise RunBusy(self.writer() or stale) from None
+        if json.loads(Path(aside).read_text()) != stale:  # a fresh claim was moved by mistake: put it back
+            os.rename(aside, self.path("writer.json"))
+            raise RunBusy(self.writer() or stale)
+        os.remove(aside)
+
     def writer(self) -> dict | None:
+        """The current claim; None only when there is none (an unreadable claim is not taken for none)."""
+        if not self.exists("writer.json"):
+            return None
         try:
             return json.loads(self.read_text("writer.json"))
-        except (FileNotFoundError, OSError, json.JSONDecodeError):
+        except FileNotFoundError:
             return None
+        except json.JSONDecodeError:
+            return {"host": "?", "pid": None, "since": "unreadable writer.json"}
 
     def release(self, owner: dict) -> None:
         if self.writer() == owner:
@@ -181,6 +202,8 @@ class RunDir:
         stores an upload with the COMPLETE marker last. A partial adapter left by a crash is replaced."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         if self.is_local:
+            for leftover in Path(self.root).glob("adapter.partial-*"):  # from an export that was interrupted
+                shutil.rmtree(leftover, ignore_errors=True)
             partial = Path(self.path(f"adapter.partial-{os.getpid()}"))
             shutil.copytree(local_folder, partial)
             (partial / ADAPTER_COMPLETE).write_text(stamp)
@@ -213,8 +236,9 @@ class RunDir:
 
 
 def _readable_as_umask_allows(folder: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
+    status = Path("/proc/self/status")
+    umask = next((int(line.split()[1], 8) for line in (status.read_text().splitlines() if status.exists() else [])
+                  if line.startswith("Umask:")), 0o022)  # read, not set: os.umask would change it for every thread
     folder.chmod(0o777 & ~umask)
     for file in folder.iterdir():
         file.chmod(0o666 & ~umask)

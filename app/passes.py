@@ -1,6 +1,7 @@
-"""What one pass over the training data holds: how many rows each source gives it, and its seeds.
+"""What one pass over the training data holds: how many rows each source gives it, its seeds, and which
+rows each rank trains in which order.
 
-Plain arithmetic, no Ray: app/data.py builds each pass from this plan with Ray Data. A pass draws
+Plain numpy and pyarrow, no Ray: app/data.py's PassCoordinator builds each pass with these. A pass draws
 `rows_per_pass()[i]` rows from source i (with repetition where a source is smaller than its share),
 shuffles them all together with a seed for that pass, and splits them into equal shards, one per rank.
 The same seed, pass and worker count give the same shards, so a resumed run continues exactly.
@@ -11,6 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
 
 
 @dataclass(frozen=True)
@@ -50,3 +54,33 @@ def source_names(paths: list[str]) -> tuple[str, ...]:
     """Short, distinct names for the sources: the file or directory name, numbered where they repeat."""
     stems = [Path(p.rstrip("/")).stem or p for p in paths]
     return tuple(s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems))
+
+
+def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
+    """For each rank, the (source, row) pairs of its shard of pass `epoch`, in training order: each source's
+    share drawn (repeats where the share is larger than the source), shuffled together with the pass's
+    seed, dealt to `world_size` ranks in turn (rank r: rows r, r + W, ...). Plain numpy: the same inputs,
+    the same shards. Dealt, not cut: after each rank has trained k rows, the pass's first k x W rows are
+    done, whatever W was, so a resume on another worker count skips exactly those."""
+    picks = []
+    for source, (rows, wanted) in enumerate(zip(plan.rows, plan.rows_per_pass())):
+        rng = np.random.default_rng(plan.source_seed(epoch, source))
+        copies = [rng.permutation(rows) if shuffle else np.arange(rows) for _ in range(plan.copies_needed(source))]
+        picks.append(np.stack([np.full(wanted, source), np.concatenate(copies)[:wanted]], axis=1))
+    order = np.concatenate(picks)
+    if shuffle:
+        order = order[np.random.default_rng(plan.pass_seed(epoch)).permutation(len(order))]
+    order = order[: len(order) - len(order) % world_size]
+    return [order[r::world_size] for r in range(world_size)]
+
+
+def take_rows(tables: list[pa.Table], order: np.ndarray) -> pa.Table:
+    """The rows `order` names ((source, row) pairs), in that order, from each source's table."""
+    parts, positions = [], []
+    for source, table in enumerate(tables):
+        mine = np.flatnonzero(order[:, 0] == source)
+        if len(mine):
+            parts.append(table.take(pa.array(order[mine, 1])))
+            positions.append(mine)
+    combined = pa.concat_tables(parts)
+    return combined.take(pa.array(np.argsort(np.concatenate(positions), kind="stable")))

@@ -29,10 +29,11 @@ def shared_storage() -> str | None:
 
 
 def looks_local(path: str) -> bool:
-    """A path, not a hub id: it starts with '.', '/' or '~', has a data file's suffix, or has other than
-    exactly one '/' (a hub id is `org/name`)."""
+    """A path, not a hub id: it starts with '.', '/' or '~', has a data file's suffix, has other than
+    exactly one '/' (a hub id is `org/name`), or exists (here, or in a job on the shared storage)."""
+    on_storage = in_ray_job() and shared_storage() and Path(_join(shared_storage(), path)).exists()
     return (path.startswith((".", "/", "~")) or path.count("/") != 1
-            or Path(path).suffix in {".jsonl", ".json", ".parquet"} or Path(path).exists())
+            or Path(path).suffix in {".jsonl", ".json", ".parquet"} or Path(path).exists() or bool(on_storage))
 
 
 def input_path(path: str | None) -> str | None:
@@ -73,5 +74,4 @@ def export_credentials(uri: str) -> str:
     for variable, value in (("MLFLOW_TRACKING_USERNAME", parts.username), ("MLFLOW_TRACKING_PASSWORD", parts.password)):
         if value is not None:
             os.environ.setdefault(variable, unquote(value))
-    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=host))
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))

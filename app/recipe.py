@@ -12,6 +12,7 @@ provide them with torch.multiprocessing and lists (tests/unit/test_recipe.py).
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -80,7 +81,7 @@ class FinetuneRecipe:
         self.job_start_time = job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
-        self.time_to_first_step = float("nan")  # of this attempt; none if it had no step left to train
+        self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
         self.source_names = source_names if len(source_names) > 1 else ()
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
 
@@ -114,7 +115,7 @@ class FinetuneRecipe:
             self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step, once_per_step=False)
         self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
                                    self.state.rows_into_epoch // ctx.world_size)
-        self.train_loss = float("nan")
+        self.train_loss = self.state.train_loss
 
     def train(self) -> dict[str, float]:
         """setup, then the loop, then finish: what each worker runs."""
@@ -187,7 +188,7 @@ class FinetuneRecipe:
         """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
         reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
-                                self.scheduler.state_dict(), self.state.initial_eval_loss)
+                                self.scheduler.state_dict(), self.state.initial_eval_loss, self.train_loss)
         t_save = time.perf_counter()
         self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position),
                               {"step": step, "train_loss": self.train_loss, **(summary or {})})
@@ -218,7 +219,9 @@ class FinetuneRecipe:
                 self.tracker.log_artifacts(Path(staged), "adapter")
         if samples is not None:
             self.tracker.log_table(samples, "eval/sample_generations.json")
-        self.tracker.log_metrics(summary, cfg.train.max_steps, once_per_step=False)
+        # an attempt that trained no step (resumed to redo the export) has no throughput: nothing to overwrite
+        finite = {k: v for k, v in summary.items() if math.isfinite(v)}
+        self.tracker.log_metrics(finite, cfg.train.max_steps, once_per_step=False)
         return summary
 
 

@@ -91,8 +91,8 @@ class RunLogger:
         deadline = time.monotonic() + timeout
         while self._thread.is_alive() and time.monotonic() < deadline and self._failing_in_a_row < 3:
             self._thread.join(0.5)
-        self._stopping.set()
-        self._thread.join(self.retry_seconds)
+        self._stopping.set()  # the sender takes no new batch now; one it is sending may still land
+        self._thread.join(self.retry_seconds + float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")))
         unsent = ([self._pending] if self._pending else []) + [item[0] for item in _drain(self._queue) if item]
         if unsent:
             self._journal([line for batch in unsent for line in batch.journal_lines()])
@@ -105,7 +105,7 @@ class RunLogger:
 
     def _send_forever(self) -> None:
         self._logged_through = self._last_logged_step()
-        while (item := self._queue.get()) is not None:
+        while not self._stopping.is_set() and (item := self._queue.get()) is not None:
             batch, step = item
             if step is not None and step <= self._logged_through:
                 continue
@@ -148,6 +148,9 @@ class RunLogger:
                         self.failures, str(error).splitlines()[0][:200])
 
     def _with_retries(self, call, what: str, attempts: int = 3) -> bool:
+        if self._failing_in_a_row >= 3:  # the server is down: keep it for `jobs.sync` without waiting
+            log.warning("MLflow: %s not sent (the server is unreachable); kept for `python -m jobs.sync`", what)
+            return False
         for attempt in range(attempts):
             try:
                 call()

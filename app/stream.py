@@ -37,6 +37,9 @@ class ShardStream:
                     self._skip -= rows
                     self.rows_into_epoch += rows
                     continue
+                if self._skip:  # the checkpoint fell inside this batch (another batch size): its rest only
+                    batch = {k: v[self._skip:] for k, v in batch.items()}
+                    self.rows_into_epoch, rows, self._skip = self.rows_into_epoch + self._skip, rows - self._skip, 0
                 self.rows_into_epoch += rows
                 yield to_device(batch, self.device)
             if empty:

@@ -2,9 +2,11 @@
 
 Journal lines (app/run_logger.py, app/tracking.py): {"metric", "value", "step", "timestamp"},
 {"param", "value"}, {"artifacts": folder of the run directory, "artifact_path"}, {"table": file of the
-run directory, "artifact_file"}, {"status"}. They are replayed in order; once all are sent the journal
-is renamed `unsent.jsonl.synced-<time>`. If the server fails midway, the lines not yet sent stay in the
-journal for the next attempt.
+run directory, "artifact_file"}, {"status"}. They are replayed in order, while holding the run (no job
+may append to the journal meanwhile); once all are sent the journal is renamed
+`unsent.jsonl.synced-<time>`. If the server fails midway, the lines not yet sent stay in the journal for
+the next attempt. A param the server rejects (it already holds another value) is skipped; a status is
+applied only if the run is still RUNNING there (a later attempt of the run may have ended it since).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import json
 import time
 
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from app.errors import UserInputError
-from app.layout import RunDir
+from app.layout import RunBusy, RunDir
 from app.run_logger import JOURNAL, bound_http_calls
+from app.runs import claim_is_live, this_process
 
 BATCH = 500
 
@@ -29,8 +33,23 @@ def sync_run(run_dir: RunDir, tracking_uri: str) -> dict[str, int]:
     if not run_dir.exists(JOURNAL):
         return {}
     bound_http_calls()
-    client, run_id = MlflowClient(tracking_uri), run_dir.recorded_mlflow_run_id()
+    owner = this_process()
+    try:
+        run_dir.claim(owner, claim_is_live)
+    except RunBusy as busy:
+        raise UserInputError(f"{run_dir.root}: a job ({busy.claim.get('ray_job') or busy.claim.get('pid')}) is "
+                             "writing this run; sync once it has ended") from None
+    try:
+        return _replay(run_dir, MlflowClient(tracking_uri))
+    finally:
+        run_dir.release(owner)
+
+
+def _replay(run_dir: RunDir, client: MlflowClient) -> dict[str, int]:
+    run_id = run_dir.recorded_mlflow_run_id()
     entries = [json.loads(line) for line in run_dir.read_text(JOURNAL).splitlines() if line.strip()]
+    statuses = [i for i, e in enumerate(entries) if "status" in e]
+    entries = [e for i, e in enumerate(entries) if "status" not in e or i == statuses[-1]]  # the last one counts
     sent: dict[str, int] = {}
     done = 0
     try:
@@ -54,10 +73,17 @@ def _send_next(client: MlflowClient, run_id: str, run_dir: RunDir, entries: list
             if not ("metric" in entry or "param" in entry) or len(run) == BATCH:
                 break
             run.append(entry)
-        client.log_batch(run_id, metrics=[Metric(e["metric"], e["value"], e["timestamp"], e["step"])
-                                          for e in run if "metric" in e],
-                         params=[Param(e["param"], e["value"]) for e in run if "param" in e])
-        _count(sent, "metrics and params", len(run))
+        metrics = [Metric(e["metric"], e["value"], e["timestamp"], e["step"]) for e in run if "metric" in e]
+        params = [Param(e["param"], e["value"]) for e in run if "param" in e]
+        try:
+            client.log_batch(run_id, metrics=metrics, params=params)
+        except MlflowException as e:
+            if e.error_code != "INVALID_PARAMETER_VALUE":
+                raise
+            client.log_batch(run_id, metrics=metrics)  # the params disagree with ones the run holds: skipped
+            _count(sent, "params skipped (the run holds other values)", len(params))
+            params = []
+        _count(sent, "metrics and params", len(metrics) + len(params))
         return len(run)
     if "artifacts" in first:
         local, holder = run_dir.local_copy(first["artifacts"])
@@ -72,8 +98,9 @@ def _send_next(client: MlflowClient, run_id: str, run_dir: RunDir, entries: list
                          artifact_file=first["artifact_file"])
         _count(sent, "tables", 1)
     elif "status" in first:
-        client.set_terminated(run_id, status=first["status"])
-        _count(sent, "statuses", 1)
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status=first["status"])
+            _count(sent, "statuses", 1)
     else:
         raise ValueError(f"{run_dir.path(JOURNAL)}: an entry this version cannot send: {first}")
     return 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -66,6 +66,9 @@ class WorkerLaunch:
     job_start_time: float
     passes: ray.actor.ActorHandle
     source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
+    # MLflow credentials the driver took from a tracking URI (they never travel in the config); shipped
+    # with the training function, never in a runtime env, job metadata or log
+    mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def train_worker(launch: WorkerLaunch) -> None:
@@ -82,6 +85,8 @@ def train_worker(launch: WorkerLaunch) -> None:
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
     export_credentials(os.environ.get("MLFLOW_TRACKING_URI", ""))  # the config holds the URI without them
+    for variable, value in launch.mlflow_credentials.items():
+        os.environ.setdefault(variable, value)
     tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),

@@ -11,10 +11,11 @@ import pytest
 import ray
 import torch
 
-from app.data import build_train_data, pass_order, shard_batches, start_pass_coordinator, take_rows
+from app.data import build_train_data, is_held_out, shard_batches, start_pass_coordinator
 from app.datasource import check_source, resolve_source
 from app.embedded import number_in_words
 from app.formatting import IGNORE_INDEX
+from app.passes import pass_order, take_rows
 from app.stream import ShardStream
 from tests.helpers import chat, make_config, write_jsonl
 
@@ -66,13 +67,15 @@ def test_jsonl_json_array_parquet_and_save_to_disk_give_identical_rows(ray_clust
     assert ids.shape == (cfg.data.max_seq_len,) and (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()
 
 
-def test_without_eval_data_a_seeded_fraction_is_held_out(ray_cluster, embedded, records, tmp_path):
+def test_without_eval_data_a_seeded_fraction_is_held_out(ray_cluster, embedded, tmp_path):
+    """By a hash of each record and the seed: the same split in any block layout, on any cluster."""
     cfg = make_config(tmp_path, embedded, "data.eval_fraction=0.25")
-    write_jsonl(tmp_path / "a.jsonl", records)
+    write_jsonl(tmp_path / "a.jsonl", _numbered(200))
     train, held_out = _train_data(cfg, tmp_path / "a.jsonl", eval_fraction=0.25)
-    assert (train.sources[0].count(), held_out[0].count()) == (30, 10)
-    again = _train_data(cfg, tmp_path / "a.jsonl", eval_fraction=0.25)[1][0]
-    assert sorted(map(json.dumps, again.take_all())) == sorted(map(json.dumps, held_out[0].take_all()))
+    held = sorted(map(json.dumps, held_out[0].take_all()))
+    assert train.sources[0].count() + len(held) == 200 and 30 <= len(held) <= 70
+    blocks = ray.data.read_json(str(tmp_path / "a.jsonl"), lines=True, override_num_blocks=7)
+    assert sorted(map(json.dumps, blocks.filter(lambda r: is_held_out(r, 0.25, cfg.train.seed)).take_all())) == held
 
 
 def test_records_truncated_to_no_target_are_dropped_and_counted(ray_cluster, embedded, tmp_path):
@@ -145,3 +148,14 @@ def test_a_mixture_draws_each_source_in_its_share(ray_cluster, embedded, tmp_pat
     assert train.plan.names == ("big", "small") and train.plan.rows_per_pass() == [25, 25]
     sources = np.concatenate([s.column("source").to_numpy() for s in _pass(train, 0, 2)]).tolist()
     assert (sources.count(0), sources.count(1)) == (25, 25)  # the small source repeated to fill its half
+
+
+def test_a_restarted_worker_group_gets_an_old_pass_again(ray_cluster, embedded, tmp_path):
+    """Workers restarted from a checkpoint several passes back ask for a pass the coordinator has dropped."""
+    cfg = make_config(tmp_path, embedded)
+    write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
+    coordinator = start_pass_coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, shuffle=True)
+    first = ray.get(ray.get(coordinator.shard.remote(0, 1))[0])
+    for epoch in (1, 2, 3):
+        ray.get(coordinator.shard.remote(epoch, 1))
+    assert ray.get(ray.get(coordinator.shard.remote(0, 1))[0]).equals(first)

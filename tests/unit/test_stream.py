@@ -36,3 +36,9 @@ def test_passes_repeat_and_a_resume_on_fewer_ranks_skips_the_global_rows():
     global_rows = stream.rows_into_epoch * 2
     resumed = ShardStream(_shard(16, 4), torch.device("cpu"), epoch=1, skip_rows=global_rows // 1)
     assert _rows(resumed, 2) == list(range(8, 16))
+
+
+def test_a_checkpoint_inside_a_batch_resumes_with_the_rest_of_it():
+    resumed = ShardStream(_shard(12, 4), torch.device("cpu"), skip_rows=6)  # 6 rows done; batches of 4
+    assert _rows(resumed, 2) == list(range(6, 12))  # rows 6-7 (the rest of a batch), then 8-11
+    assert resumed.rows_into_epoch == 12

@@ -4,7 +4,7 @@ fixed-length token rows, and the passes over them that the training workers read
 Each train source is tokenized once and its rows kept in Ray's object store (which spills to disk).
 Rows that no longer hold a target token after truncation are dropped there and counted. A
 `PassCoordinator` actor then builds every pass the same way for all ranks (app/passes.py): each
-source's share of rows, shuffled together with the pass's seed, cut into equal shards. The same seed,
+source's share of rows, shuffled together with the pass's seed, dealt to the ranks in turn. The same seed,
 pass and worker count always give the same shards, so a restarted or resumed run sees the rest of an
 interrupted pass exactly once. The eval set is small (at most `data.max_eval_rows`), tokenized in the
 driver, held in the object store and read whole by every worker.

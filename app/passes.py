@@ -3,7 +3,7 @@ rows each rank trains in which order.
 
 Plain numpy and pyarrow, no Ray: app/data.py's PassCoordinator builds each pass with these. A pass draws
 `rows_per_pass()[i]` rows from source i (with repetition where a source is smaller than its share),
-shuffles them all together with a seed for that pass, and splits them into equal shards, one per rank.
+shuffles them all together with a seed for that pass, and deals them to the ranks in turn.
 The same seed, pass and worker count give the same shards, so a resumed run continues exactly.
 """
 

@@ -41,6 +41,8 @@ class ModelSection(_Section):
                              "GPUs and on CPUs with bf16 units (AVX-512 BF16, AMX), float32 elsewhere")
     gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing: recompute "
                                          "each layer in backward instead of keeping its activations")
+    compile: bool = Field(False, description="torch.compile each decoder layer before sharding (first steps "
+                          "slower while it compiles; CPUs need a C++ compiler)")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
                                              "reads only its shard (host memory per worker ~ 1/N of the model)")
@@ -91,7 +93,16 @@ class DataSection(_Section):
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
                                       "of the tokenizer's own (for base models that have none)")
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
-    max_seq_len: int = Field(512, gt=1, description="rows are truncated and right-padded to this many tokens")
+    max_seq_len: int = Field(512, gt=1, description="tokens per training row: records are packed into rows this "
+                             "long (or, without packing, one per row, right-padded)")
+    packing: bool = Field(True, description="pack several records into each training row (first-fit; attention "
+                          "and position ids restart at every record, so each record trains as if alone); false: one "
+                          "record per row. Eval rows are never packed")
+    packing_open_rows: int = Field(64, gt=0, description="rows the packer keeps open to fit records into before it "
+                                   "closes the fullest one (more: fuller rows, a slower pack)")
+    long_records: Literal["truncate", "split"] = Field(
+        "truncate", description="a record longer than data.max_seq_len: truncate it, or split it into rows of "
+        "data.max_seq_len (each piece after the first trains without the context before it)")
     shuffle: bool = Field(True, description="shuffle the whole train set at every pass, seeded by train.seed and "
                           "the pass; false: every pass in file order")
     tokenizer_actors: int = Field(2, gt=0, description="most actors tokenizing in parallel (autoscaled from 1)")
@@ -116,6 +127,8 @@ class TrainSection(_Section):
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
     warmup_steps: int = Field(10, ge=0, description="linear warm-up steps")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping norm")
+    loss_chunk_tokens: int = Field(1024, ge=0, description="positions whose logits the loss computes at a time "
+                                   "(peak memory then no longer grows with vocabulary x tokens); 0: all at once")
     seed: int = Field(0, description="seeds the LoRA initialisation, the eval split and shuffling")
     log_every: int = Field(1, gt=0, description="steps between MLflow metric batches and progress lines")
     eval_every: int = Field(50, gt=0, description="steps between evaluations (and one at the end)")

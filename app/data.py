@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import ray
 import ray.data
 from ray.data.expressions import col
@@ -29,7 +30,8 @@ from app.datasource import DataSource, load_hf_disk, read_json_array
 from app.errors import UserInputError
 from app.formatting import tokenize_rows
 from app.model import load_tokenizer
-from app.passes import PassPlan, pass_order, source_names, take_rows
+from app.packing import pack_rows, unpacked_rows
+from app.passes import PassPlan, deal, pass_records, source_names, take_rows
 
 
 def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:
@@ -59,9 +61,9 @@ class TokenizeRows:
         self.data, self.source = data, source
 
     def __call__(self, batch) -> dict:
-        rows = tokenize_rows(batch.to_pylist(), self.tokenizer, self.data.format, self.data.max_seq_len)
-        rows["source"] = np.full(len(rows["targets"]), self.source, dtype=np.int64)
-        return rows
+        rows = tokenize_rows(batch.to_pylist(), self.tokenizer, self.data.format, self.data.max_seq_len,
+                             self.data.long_records)
+        return rows | {"source": np.full(len(rows["targets"]), self.source, dtype=np.int64)}
 
 
 def tokenized(ds: ray.data.Dataset, model: ModelSection, data: DataSection, source: int = 0) -> ray.data.Dataset:
@@ -75,14 +77,15 @@ class TrainData:
     sources: list[ray.data.MaterializedDataset]  # token rows of each source, rows without targets dropped
     plan: PassPlan
     dropped_rows: int  # rows whose every target token truncation cut off
+    pad_id: int  # the tokenizer's padding token
     malformed_rows: int = 0  # records without the fields their format needs (remote data past the checked sample)
 
 
 def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, source: int) -> ray.data.Dataset:
     """The same rows as `tokenized`, made here: for small data, cheaper than starting tokenizer actors."""
     records = [r for b in ds.iter_batches(batch_format="pyarrow", batch_size=4096) for r in b.to_pylist()]
-    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
-    return rows_dataset(rows | {"source": np.full(len(records), source, dtype=np.int64)})
+    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len, data.long_records)
+    return rows_dataset(rows | {"source": np.full(len(rows["targets"]), source, dtype=np.int64)})
 
 
 def rows_dataset(rows: dict[str, np.ndarray], block_rows: int = 4096) -> ray.data.Dataset:
@@ -142,7 +145,8 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
     if sum(plan.rows_per_pass()) < world_size:
         raise UserInputError(f"data.train_path: {sum(plan.rows_per_pass())} training records for "
                              f"scaling.num_workers={world_size}; every worker needs at least one")
-    return TrainData(token_rows, plan, dropped, malformed), held_out
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TrainData(token_rows, plan, dropped, pad_id, malformed), held_out
 
 
 def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[ray.data.Dataset, int]:
@@ -150,7 +154,7 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     holds the tokenizer already; starting a tokenizing actor for a few hundred rows costs more."""
     eval_ds = sources[0] if len(sources) == 1 else sources[0].union(*sources[1:])
     records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
-    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len)
+    rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len, data.long_records)
     keep = rows["targets"] > 0
     return rows_dataset({"input_ids": rows["input_ids"][keep], "labels": rows["labels"][keep]}), int((~keep).sum())
 
@@ -169,14 +173,15 @@ class PassCoordinator:
     """Builds each pass once for all ranks (and the next one ahead), keeps the last two.
 
     It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
-    its own process (an index permutation and a gather per rank, put back in the object store): no Ray
-    task runs during training, so a cluster whose CPUs the training workers hold never starves it.
+    its own process (an index permutation, packing, a gather per rank, put back in the object store): no
+    Ray task runs during training, so a cluster whose CPUs the training workers hold never starves it.
     Created by the driver, it outlives restarted worker groups, which get the same shards again.
     """
 
-    def __init__(self, train: TrainData, world_size: int, shuffle: bool):
-        self.plan, self.world_size, self.shuffle = train.plan, world_size, shuffle
-        self.tables = [pa.concat_tables(ray.get(rows.to_arrow_refs())) for rows in train.sources]
+    def __init__(self, blocks: list[list[ray.ObjectRef]], plan: PassPlan, pad_id: int, world_size: int,
+                 data: DataSection):
+        self.plan, self.pad_id, self.world_size, self.data = plan, pad_id, world_size, data
+        self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
         self._lock = threading.Lock()
         self._ready: dict[int, threading.Event] = {}
         self._built: dict[int, list | BaseException] = {}
@@ -191,8 +196,15 @@ class PassCoordinator:
 
     def _build(self, epoch: int) -> None:
         try:
-            built = [ray.put(take_rows(self.tables, order))
-                     for order in pass_order(self.plan, epoch, self.world_size, self.shuffle)]
+            rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
+            sources = len(self.plan.rows)
+            rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
+                    if self.data.packing else unpacked_rows(rows, sources))
+            if rows.num_rows < self.world_size:
+                raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
+                                     f"data.max_seq_len={self.data.max_seq_len}, fewer than scaling.num_workers="
+                                     f"{self.world_size}; add data, use fewer workers or set data.packing=false")
+            built = [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, self.world_size)]
         except BaseException as e:  # handed to the rank that asks for this pass
             built = e
         with self._lock:
@@ -211,12 +223,33 @@ class PassCoordinator:
                 del self._built[old], self._ready[old]
         return [built[rank]]
 
+    def first_pass_figures(self) -> dict[str, float]:
+        """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised
+        (the driver asks before any worker starts)."""
+        [ref] = self.shard(0, 0)
+        rows = ray.get(ref)
+        fill = pa.compute.sum(rows.column("length")).as_py() / max(rows.num_rows * self.data.max_seq_len, 1)
+        return {"data_rows_per_worker_per_pass": rows.num_rows, "data_row_fill": fill}
 
-def start_pass_coordinator(train: TrainData, world_size: int, shuffle: bool):
-    """On the driver's node (the job ends with it anyway), restarted if its process dies: it rebuilds any
-    pass from the token rows, which the driver owns."""
+
+def start_pass_coordinator(train: TrainData, world_size: int, data: DataSection):
+    """On the driver's node: the job ends with it anyway, and so does a job whose coordinator dies
+    (`--resume` then continues exactly). Not restartable: Ray logs an error line for any restartable actor
+    given object references (ray issue 53727), and its token rows are references the driver owns."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return PassCoordinator.options(max_concurrency=world_size + 2, max_restarts=-1, max_task_retries=-1,
-                                   scheduling_strategy=here).remote(train, world_size, shuffle)
+    return PassCoordinator.options(max_concurrency=world_size + 2, scheduling_strategy=here).remote(
+        [rows.to_arrow_refs() for rows in train.sources], train.plan, train.pad_id, world_size, data)
+
+
+def start_passes(train: TrainData, world_size: int, data: DataSection):
+    """(the pass coordinator, figures of its first pass); a pass that cannot be built fails here, in the
+    driver, with its one-line reason."""
+    coordinator = start_pass_coordinator(train, world_size, data)
+    try:
+        return coordinator, ray.get(coordinator.first_pass_figures.remote())
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, UserInputError):
+            raise e.cause from None
+        raise

@@ -14,7 +14,7 @@ from app.stream import to_device
 
 
 @torch.no_grad()
-def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext) -> float:
+def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext, chunk_tokens: int = 0) -> float:
     """Mean loss per target token over the whole eval set.
 
     Every rank reads all eval batches and scores batches rank, rank + world, ...; ranks with fewer
@@ -27,7 +27,7 @@ def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext) ->
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for i in range(math.ceil(len(batches) / ctx.world_size)):
         batch = mine[i] if i < len(mine) else batches[0]
-        token_loss = summed_token_loss(model, batch)
+        token_loss = summed_token_loss(model, batch, chunk_tokens)
         if i < len(mine):
             totals += torch.stack([token_loss.double(), target_token_count(batch["labels"]).double()])
     dist.all_reduce(totals)

@@ -107,7 +107,7 @@ def prompt_and_target_segments(tokenizer, messages: list[dict]) -> list[tuple[st
     return segments
 
 
-def tokenize_text(tokenizer, text: str, max_seq_len: int) -> tuple[list[int], list[int]]:
+def tokenize_text(tokenizer, text: str, max_seq_len: int | None) -> tuple[list[int], list[int]]:
     """Plain text: the tokenizer's own special tokens around it, every token a target."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
@@ -117,8 +117,8 @@ def tokenize_text(tokenizer, text: str, max_seq_len: int) -> tuple[list[int], li
     return ids[:max_seq_len], ids[:max_seq_len]
 
 
-def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tuple[list[int], list[int]]:
-    """input_ids and labels (prompt tokens masked), truncated to max_seq_len, unpadded."""
+def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int | None) -> tuple[list[int], list[int]]:
+    """input_ids and labels (prompt tokens masked), truncated to max_seq_len (None: whole), unpadded."""
     if fmt == "text":
         return tokenize_text(tokenizer, record["text"], max_seq_len)
     segments = prompt_and_target_segments(tokenizer, as_messages(record, fmt))
@@ -136,29 +136,37 @@ def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int) -> tupl
     return ids[:max_seq_len], labels[:max_seq_len]
 
 
-def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int) -> dict[str, np.ndarray]:
-    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100, and
-    `targets`, each row's number of tokens that carry loss (0 when truncation cut every target off; -1 for
-    a record without the fields its format needs, which only data the driver could not check holds).
+def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int,
+                  long_records: str = "truncate") -> dict[str, np.ndarray]:
+    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100, `length`
+    (tokens before padding) and `targets`, each row's number of tokens that carry loss (0 when truncation
+    cut every target off; -1 for a record without the fields its format needs, which only data the driver
+    could not check holds). A record longer than max_seq_len is truncated, or with long_records="split"
+    cut into rows of max_seq_len (each piece then starts without the context before it).
 
     Right padding needs no attention mask: under the causal mask a real token never attends to a
     later pad, and pads carry no loss.
     """
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids = np.full((len(records), max_seq_len), pad_id, dtype=np.int64)
-    labels = np.full((len(records), max_seq_len), IGNORE_INDEX, dtype=np.int64)
-    malformed = np.zeros(len(records), dtype=bool)
-    for row, record in enumerate(records):
+    pieces: list[tuple[list[int], list[int]] | None] = []
+    for record in records:
         try:
-            ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt), max_seq_len)
+            ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt),
+                                        None if long_records == "split" else max_seq_len)
         except ValueError:
-            malformed[row] = True
+            pieces.append(None)
             continue
-        input_ids[row, : len(ids)] = ids
-        labels[row, : len(labs)] = labs
+        pieces += [(ids[i:i + max_seq_len], labs[i:i + max_seq_len]) for i in range(0, max(len(ids), 1), max_seq_len)]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = np.full((len(pieces), max_seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(pieces), max_seq_len), IGNORE_INDEX, dtype=np.int64)
+    length = np.zeros(len(pieces), dtype=np.int64)
+    for row, piece in enumerate(pieces):
+        if piece is not None:
+            length[row] = len(piece[0])
+            input_ids[row, : length[row]], labels[row, : length[row]] = piece
     targets = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)  # labels are shifted: position 0 never counts
-    targets[malformed] = -1
-    return {"input_ids": input_ids, "labels": labels, "targets": targets}
+    targets[np.array([p is None for p in pieces], dtype=bool)] = -1
+    return {"input_ids": input_ids, "labels": labels, "length": length, "targets": targets}
 
 
 def check_chat_template(tokenizer, where: str) -> None:

@@ -20,7 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from app import console, tracking
 from app.config import FinetuneConfig
-from app.data import TrainData, build_eval_rows, build_train_data, read_records, start_pass_coordinator
+from app.data import TrainData, build_eval_rows, build_train_data, read_records, start_passes
 from app.embedded import ensure_embedded
 from app.errors import UserInputError
 from app.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
@@ -102,9 +102,8 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
     return train, eval_rows, stats
 
 
-def build_trainer(cfg: FinetuneConfig, train: TrainData, eval_rows: ray.data.Dataset, run_id: str,
+def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.data.Dataset, run_id: str,
                   job_start_time: float, verbose: bool = False) -> TorchTrainer:
-    passes = start_pass_coordinator(train, cfg.scaling.num_workers, cfg.data.shuffle)
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
     launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials)
@@ -151,8 +150,10 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         status = "FAILED"
         try:
             train, eval_rows, data_stats = build_data(cfg, inputs)
-            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats)
-            summary = build_trainer(cfg, train, eval_rows, run_id, job_start_time, verbose).fit().metrics
+            passes, pass_figures = start_passes(train, cfg.scaling.num_workers, cfg.data)
+            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures)
+            trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
+            summary = trainer.fit().metrics
             status = "FINISHED"
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
             status = "KILLED"

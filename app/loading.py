@@ -33,8 +33,8 @@ CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safeten
 def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device) -> nn.Module:
     """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says."""
     if model_cfg.load == "full":
-        return shard_model(build_lora_model(model_cfg, lora_cfg, seed, device), mesh, fsdp_cfg)
-    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed), mesh, fsdp_cfg)
+        return shard_model(build_lora_model(model_cfg, lora_cfg, seed, device), mesh, fsdp_cfg, model_cfg.compile)
+    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed), mesh, fsdp_cfg, model_cfg.compile)
     materialize_sharded(model, model_cfg, seed, device)
     return model
 

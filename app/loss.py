@@ -5,6 +5,10 @@ every micro-batch of every rank in this optimizer step. Summed over micro-batche
 exactly the mean over the global batch, whatever the worker count or accumulation split, so one
 worker and two workers given the same global batch take the same step. FSDP averages gradients over
 ranks, so the loss a rank backpropagates is scaled by the world size to turn that average into the sum.
+
+The cross-entropy is computed from the final hidden states in chunks of `chunk_tokens` positions: the
+logits of one chunk exist at a time (fp32 logits of seq 2048 x micro 2 x a 128k vocabulary would be
+2 GiB), and the gradient for the hidden states is computed with them, so backward keeps no logits either.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from app.formatting import IGNORE_INDEX
 
@@ -29,14 +34,95 @@ def global_target_tokens(micro_batches: list[dict]) -> torch.Tensor:
     return count
 
 
-def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, world_size: int):
+def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, world_size: int,
+                            chunk_tokens: int = 0):
     """What one rank backpropagates for one micro-batch; returns (that loss, its unscaled token sum)."""
-    token_sum = summed_token_loss(model, batch)
+    token_sum = summed_token_loss(model, batch, chunk_tokens)
     return token_sum * (world_size / global_tokens), token_sum.detach()
 
 
-def summed_token_loss(model, batch: dict) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch."""
-    logits = model(input_ids=batch["input_ids"]).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch; with
+    `chunk_tokens`, computed in chunks where the model's output head allows it."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
+    labels = batch["labels"][:, 1:].flatten()
+    head = chunkable_head(model) if chunk_tokens else None
+    if head is None:
+        logits = model(**inputs).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    captured = {}
+    body = _decoder_body(model)
+    hook = body.register_forward_hook(lambda module, args, output: captured.update(hidden=output[0]))
+    try:  # the model's own forward (FSDP's hooks run, the root's weights stay gathered for backward)
+        model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured["hidden"][:, :-1].flatten(0, 1)
+    softcap = getattr(_causal_lm(model).config, "final_logit_softcapping", None)
+    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens, softcap)
+
+
+def _causal_lm(model) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _decoder_body(model) -> nn.Module:
+    lm = _causal_lm(model)
+    return getattr(lm, lm.base_model_prefix)
+
+
+def chunkable_head(model) -> nn.Linear | None:
+    """The output projection when logits are `hidden @ weight.T` (softcapped or not) and its weight is
+    gathered after the forward; None where the model does more (a bias, a logit scale, a LoRA-adapted head)."""
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings()
+    config = lm.config
+    if type(head) is not nn.Linear or head.bias is not None or not hasattr(lm, lm.base_model_prefix):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in ("logit_scale", "logits_scaling")):
+        return None
+    return head
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over positions of cross_entropy(hidden @ weight.T [softcapped], labels), one chunk of positions
+    at a time. The gradients are computed in the forward, chunk by chunk, and kept (the size of `hidden`
+    and `weight`) instead of the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None):
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+            logits = (h @ weight.T).float()  # what the model's head gives, then the fp32 cast the plain loss makes
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            valid = y != IGNORE_INDEX
+            target = y.clamp(min=0)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            total += ((log_norm - logits.gather(1, target[:, None])[:, 0]) * valid).sum()
+            if want_hidden or want_weight:
+                grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+                grad[torch.arange(len(y), device=y.device), target] -= 1
+                grad *= valid[:, None]
+                if softcap:
+                    grad *= 1 - capped * capped
+                grad = grad.to(hidden.dtype)
+                if want_hidden:
+                    grad_hidden[start:start + chunk_tokens] = grad @ weight
+                if want_weight:
+                    grad_weight += (grad.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
+                None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None)

@@ -68,9 +68,10 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
 
 
 def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int) -> float:
-    """One micro-batch: saved layer inputs (checkpointing) or every layer's intermediates, plus the
-    logits and what the loss keeps of them: the logits (compute dtype), their shifted fp32 copy and
-    its log-softmax, and the gradients of all three."""
+    """One micro-batch: saved layer inputs (checkpointing) or every layer's intermediates, plus the loss's
+    share. The plain loss keeps the logits (compute dtype), their fp32 copy and its log-softmax, and the
+    gradients of all three; the chunked loss holds one chunk's logits (compute dtype and fp32, the
+    softmax in place) and the hidden states' gradient."""
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
@@ -78,6 +79,9 @@ def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int)
         kept = num_layers * tokens * hidden * compute + one_layer
     else:
         kept = num_layers * one_layer
+    chunk = cfg.train.loss_chunk_tokens
+    if chunk:
+        return kept + min(chunk, tokens) * config.vocab_size * (compute + 4) + tokens * hidden * compute
     return kept + tokens * config.vocab_size * (2 * compute + 16)
 
 

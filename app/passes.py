@@ -3,7 +3,8 @@ rows each rank trains in which order.
 
 Plain numpy and pyarrow, no Ray: app/data.py's PassCoordinator builds each pass with these. A pass draws
 `rows_per_pass()[i]` rows from source i (with repetition where a source is smaller than its share),
-shuffles them all together with a seed for that pass, and deals them to the ranks in turn.
+shuffles them all together with a seed for that pass, packs them into rows (app/packing.py) unless
+packing is off, and deals the rows to the ranks in turn.
 The same seed, pass and worker count give the same shards, so a resumed run continues exactly.
 """
 
@@ -56,12 +57,10 @@ def source_names(paths: list[str]) -> tuple[str, ...]:
     return tuple(s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems))
 
 
-def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
-    """For each rank, the (source, row) pairs of its shard of pass `epoch`, in training order: each source's
-    share drawn (repeats where the share is larger than the source), shuffled together with the pass's
-    seed, dealt to `world_size` ranks in turn (rank r: rows r, r + W, ...). Plain numpy: the same inputs,
-    the same shards. Dealt, not cut: after each rank has trained k rows, the pass's first k x W rows are
-    done, whatever W was, so a resume on another worker count skips exactly those."""
+def pass_records(plan: PassPlan, epoch: int, shuffle: bool) -> np.ndarray:
+    """The (source, row) pairs of pass `epoch`, in training order: each source's share drawn (repeats where
+    the share is larger than the source), shuffled together with the pass's seed. Plain numpy: the same
+    inputs, the same order."""
     picks = []
     for source, (rows, wanted) in enumerate(zip(plan.rows, plan.rows_per_pass())):
         rng = np.random.default_rng(plan.source_seed(epoch, source))
@@ -70,8 +69,20 @@ def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> li
     order = np.concatenate(picks)
     if shuffle:
         order = order[np.random.default_rng(plan.pass_seed(epoch)).permutation(len(order))]
-    order = order[: len(order) - len(order) % world_size]
-    return [order[r::world_size] for r in range(world_size)]
+    return order
+
+
+def deal(rows: int, world_size: int) -> list[np.ndarray]:
+    """Row indices of each rank's shard: dealt in turn (rank r: rows r, r + W, ...), the remainder left
+    out so every rank takes as many steps. Dealt, not cut: after each rank has trained k rows, the pass's
+    first k x W rows are done, whatever W was, so a resume on another worker count skips exactly those."""
+    return [np.arange(r, rows - rows % world_size, world_size) for r in range(world_size)]
+
+
+def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
+    """For each rank, the (source, row) pairs of its shard of pass `epoch` (unpacked rows), in order."""
+    order = pass_records(plan, epoch, shuffle)
+    return [order[shard] for shard in deal(len(order), world_size)]
 
 
 def take_rows(tables: list[pa.Table], order: np.ndarray) -> pa.Table:

@@ -68,7 +68,7 @@ class FinetuneRecipe:
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
     With several `source_names` (a data mixture), batches carry each row's source, and the share of
-    rows each source has given so far is logged as `data_share/<name>`.
+    records each source has given so far is logged as `data_share/<name>`.
     """
 
     def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
@@ -151,7 +151,8 @@ class FinetuneRecipe:
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, token_loss = scaled_micro_batch_loss(self.model, batch, global_tokens, ctx.world_size)
+            loss, token_loss = scaled_micro_batch_loss(self.model, batch, global_tokens, ctx.world_size,
+                                                      self.cfg.train.loss_chunk_tokens)
             loss.backward()
             loss_sum += token_loss
         grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
@@ -160,7 +161,7 @@ class FinetuneRecipe:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches, self.tokenizer.pad_token_id)]),
+        step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches).to(ctx.device)]),
                                  self._rows_per_source(micro_batches).to(ctx.device)])
         dist.all_reduce(step_totals)  # global loss sum, non-pad token count, rows of each source
         loss_total, tokens, *source_rows, target_tokens, grad_norm = torch.cat(  # the step's one host sync
@@ -179,10 +180,10 @@ class FinetuneRecipe:
         n = len(self.source_names)
         if not n:
             return torch.zeros(0, dtype=torch.float64)
-        return sum(torch.bincount(b["source"].long(), minlength=n) for b in micro_batches).double()
+        return sum(b["records"].sum(0) for b in micro_batches).double()
 
     def evaluate(self) -> float:
-        return evaluate_loss(self.model, self.eval_pass, self.ctx)
+        return evaluate_loss(self.model, self.eval_pass, self.ctx, self.cfg.train.loss_chunk_tokens)
 
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
         """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
@@ -230,6 +231,6 @@ def schedule_name(lr_schedule: str, warmup_steps: int) -> str:
     return "constant_with_warmup" if lr_schedule == "constant" and warmup_steps else lr_schedule
 
 
-def _real_tokens(micro_batches: list[dict], pad_id: int) -> torch.Tensor:
-    """Tokens that are not right-padding: the throughput figure counts only these."""
-    return sum((b["input_ids"] != pad_id).sum() for b in micro_batches).to(torch.float64)
+def _real_tokens(micro_batches: list[dict]) -> torch.Tensor:
+    """Tokens that are not padding: the throughput figure counts only these."""
+    return sum(b["length"].sum() for b in micro_batches).to(torch.float64)

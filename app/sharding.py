@@ -67,8 +67,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection) -> nn.Module:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, LM head).
+def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_layers: bool = False) -> nn.Module:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, LM head); with
+    `compile_layers`, each layer's forward is torch.compile'd first (torchtitan's order: FSDP's hooks stay
+    outside the compiled code, each layer compiles once and the others reuse its code).
 
     Parameters keep their original dtypes (frozen base in bf16, LoRA in fp32: the optimizer updates
     fp32 master weights) and are all-gathered and computed in `fsdp.param_dtype`; gradients are
@@ -80,8 +82,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection) -> nn.Mod
     if fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward)
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root (embeddings, LM head) is needed again at once by backward: kept gathered, as fully_shard does by
+    # default for a root; the chunked loss (app/loss.py) reads the LM head's gathered weight after the forward.
+    fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
     return model
 
 

@@ -49,6 +49,8 @@ class ShardStream:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The model's inputs on `device`; each row's data source (a mixture's) stays where it is."""
-    moved = {k: torch.as_tensor(batch[k]).to(device, non_blocking=True) for k in ("input_ids", "labels")}
-    return moved | ({"source": torch.as_tensor(batch["source"])} if "source" in batch else {})
+    """The model's inputs on `device`; the bookkeeping columns (each row's real tokens and records per
+    source) stay on the host."""
+    model_inputs = {"input_ids", "labels", "position_ids"}
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) if k in model_inputs else torch.as_tensor(v)
+            for k, v in batch.items()}

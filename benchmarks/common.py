@@ -34,10 +34,11 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     """benchmarks/step.py flags that reproduce the config's training step."""
     flags = ["--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),
              "--accum", str(cfg.grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype, "--dtype", cfg.model.dtype,
-             "--lora-r", str(cfg.lora.r)]
+             "--lora-r", str(cfg.lora.r), "--loss-chunk-tokens", str(cfg.train.loss_chunk_tokens)]
     flags += [] if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
     flags += ["--cpu-offload"] if cfg.fsdp.cpu_offload else []
+    flags += ["--compile"] if cfg.model.compile else []
     flags += ["--mesh", *map(str, cfg.scaling.mesh)] if cfg.scaling.mesh else []
     return flags
 

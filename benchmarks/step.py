@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (model.compile)")
     p.add_argument("--mesh", type=int, nargs=2, metavar=("REPLICAS", "SHARD"))
+    p.add_argument("--loss-chunk-tokens", type=int, default=1024, help="as train.loss_chunk_tokens; 0: plain loss")
     return p.parse_args(argv)
 
 
@@ -85,7 +87,7 @@ def build(args, device: torch.device):
     args.dtype, args.param_dtype = resolve_dtype(args.dtype, fast_bf16), resolve_dtype(args.param_dtype, fast_bf16)
     model_cfg = SimpleNamespace(path=args.model_path or os.path.dirname(os.path.abspath(args.model_config)),
                                 revision=None, trust_remote_code=False, dtype=args.dtype, load=args.load,
-                                gradient_checkpointing=not args.no_activation_checkpointing)
+                                gradient_checkpointing=not args.no_activation_checkpointing, compile=args.compile)
     lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear",
                                use_dora=False, use_rslora=False)
     fsdp_cfg = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype="float32", cpu_offload=args.cpu_offload,
@@ -93,7 +95,8 @@ def build(args, device: torch.device):
     mesh = build_device_mesh(device.type, args.mesh)
     if args.model_path:
         return build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, 0, device)
-    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, 0, config_file=args.model_config), mesh, fsdp_cfg)
+    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, 0, config_file=args.model_config), mesh, fsdp_cfg,
+                        args.compile)
     init_random(model, device)
     return model
 
@@ -155,7 +158,7 @@ def train(model, args, device: torch.device, world: int, t_start: float) -> dict
         t0 = time.perf_counter()
         for i in range(args.accum):
             model.set_requires_gradient_sync(i == args.accum - 1)
-            loss, _ = scaled_micro_batch_loss(model, batch, tokens, world)
+            loss, _ = scaled_micro_batch_loss(model, batch, tokens, world, args.loss_chunk_tokens)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

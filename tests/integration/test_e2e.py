@@ -9,10 +9,13 @@ import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
+from transformers import AutoTokenizer
 
 from app.config import load_config
 from app.errors import UserInputError
+from app.formatting import tokenize_rows
 from app.launcher import run_finetune
+from app.packing import first_fit
 from tests.helpers import make_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -83,13 +86,27 @@ def _loss_curve(summary) -> list[float]:
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
-def test_one_and_two_workers_give_the_same_loss_curve(ray_cluster, embedded, tmp_path):
-    """A data file of exactly one global batch: every step of both runs sees the same 8 rows."""
-    rows = [json.loads(line) for line in embedded["train"].read_text().splitlines()[:8]]
-    data = write_jsonl(tmp_path / "one_batch.jsonl", rows)
-    common = [f"data.train_path={data}", "train.global_batch_size=8", "train.micro_batch_size=4",
-              "train.max_steps=6", "train.eval_every=6", "train.log_every=1", "lora.dropout=0",
-              "train.warmup_steps=0"]
+def _one_global_batch(embedded, tmp_path, packing: bool) -> list[str]:
+    """Data of exactly one global batch (every step of a 1- and a 2-worker run sees the same rows), and the
+    settings that make it one. Packed: the first records that fill an even number of rows, packed in file
+    order (data.shuffle=false: every pass packs the same), one row per micro-batch."""
+    records = [json.loads(line) for line in embedded["train"].read_text().splitlines()[:40]]
+    common = ["train.max_steps=6", "train.eval_every=6", "train.log_every=1", "lora.dropout=0",
+              "train.warmup_steps=0", f"data.packing={str(packing).lower()}"]
+    if not packing:
+        return [f"data.train_path={write_jsonl(tmp_path / 'batch.jsonl', records[:8])}", "train.global_batch_size=8",
+                "train.micro_batch_size=4", *common]
+    tokenizer = AutoTokenizer.from_pretrained(embedded["model"])
+    lengths = tokenize_rows(records, tokenizer, "auto", 64)["length"]
+    count = next(n for n in range(8, 40) if len(first_fit(lengths[:n], 64, 64)) % 2 == 0)
+    rows = len(first_fit(lengths[:count], 64, 64))
+    return [f"data.train_path={write_jsonl(tmp_path / 'batch.jsonl', records[:count])}", "data.max_seq_len=64",
+            "data.shuffle=false", f"train.global_batch_size={rows}", "train.micro_batch_size=1", *common]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["one-record-per-row", "packed"])
+def test_one_and_two_workers_give_the_same_loss_curve(ray_cluster, embedded, tmp_path, packing):
+    common = _one_global_batch(embedded, tmp_path, packing)
     one = run_finetune(make_config(tmp_path / "w1", embedded, *common, "scaling.num_workers=1"))
     two = run_finetune(make_config(tmp_path / "w2", embedded, *common, "scaling.num_workers=2"))
     curve_one, curve_two = _loss_curve(one), _loss_curve(two)

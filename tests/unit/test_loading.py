@@ -12,7 +12,7 @@ from app.loading import build_sharded_lora_model, sharded_loading_problem
 from app.lora_init import base_param_name
 from app.memory_plan import plan_memory
 from app.model import build_lora_model
-from app.sharding import build_device_mesh
+from app.sharding import build_device_mesh, reshard
 from tests.helpers import run_ranks, tiny_checkpoint
 
 OVERRIDES = ["fsdp.param_dtype=float32", "model.dtype=float32", "lora.dropout=0", "model.gradient_checkpointing=false"]
@@ -25,6 +25,7 @@ def _load_and_score(rank: int, model_path: str, load: str, mesh: list[int] | Non
                                      torch.device("cpu"))
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
+    reshard(model)  # the root keeps its gathered weights after a forward
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     assert not any(p.is_meta for p in model.parameters())

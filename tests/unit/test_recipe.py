@@ -57,8 +57,10 @@ class RecordingTracker:
 
 
 def _batches(rows: dict, rank: int, world: int, micro: int) -> list[dict]:
-    ids, labels = (torch.as_tensor(rows[k][rank::world]) for k in ("input_ids", "labels"))
-    return [{"input_ids": ids[i:i + micro], "labels": labels[i:i + micro]} for i in range(0, len(ids), micro)]
+    """Unpacked rows dealt to the ranks, as the pass coordinator hands them out (one data source)."""
+    mine = {k: torch.as_tensor(rows[k][rank::world]) for k in ("input_ids", "labels", "length")}
+    mine["records"] = torch.ones(len(mine["length"]), 1, dtype=torch.int64)
+    return [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, len(mine["length"]), micro)]
 
 
 def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:

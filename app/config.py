@@ -41,6 +41,9 @@ class ModelSection(_Section):
                              "GPUs and on CPUs with bf16 units (AVX-512 BF16, AMX), float32 elsewhere")
     gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing: recompute "
                                          "each layer in backward instead of keeping its activations")
+    attn_implementation: str | None = Field(None, description="attention kernel: None (transformers' default, "
+                                            "SDPA), flash_attention_2 (GPUs: packed rows run as varlen sequences), "
+                                            "flex_attention, eager, or a kernels hub id")
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding (first steps "
                           "slower while it compiles; CPUs need a C++ compiler)")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "

@@ -54,7 +54,8 @@ def build_meta_base_model(model_cfg, config_file: str | None = None):
                                             trust_remote_code=model_cfg.trust_remote_code)
     with init_empty_weights(include_buffers=False):
         base = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(model_cfg.dtype),
-                                                trust_remote_code=model_cfg.trust_remote_code)
+                                                trust_remote_code=model_cfg.trust_remote_code,
+                                                attn_implementation=model_cfg.attn_implementation)
     base.tie_weights()  # init_empty_weights re-creates every parameter, which unties lm_head from the embedding
     return base
 

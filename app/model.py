@@ -83,7 +83,7 @@ def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
 
     return AutoModelForCausalLM.from_pretrained(
         model.path, revision=model.revision, dtype=torch_dtype(model.dtype, device), use_safetensors=True,
-        trust_remote_code=model.trust_remote_code, device_map=None,
+        trust_remote_code=model.trust_remote_code, device_map=None, attn_implementation=model.attn_implementation,
     ).to(device)
 
 

@@ -39,6 +39,7 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
     flags += ["--cpu-offload"] if cfg.fsdp.cpu_offload else []
     flags += ["--compile"] if cfg.model.compile else []
+    flags += ["--attn-implementation", cfg.model.attn_implementation] if cfg.model.attn_implementation else []
     flags += ["--mesh", *map(str, cfg.scaling.mesh)] if cfg.scaling.mesh else []
     return flags
 
@@ -78,7 +79,8 @@ def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
     from app.tracking import get_or_create_experiment
 
     project = load_config(None)
-    project.output.root.mkdir(parents=True, exist_ok=True)
+    if project.output.is_local:
+        Path(project.output.root).mkdir(parents=True, exist_ok=True)
     client = MlflowClient(project.mlflow.tracking_uri)
     run = client.create_run(get_or_create_experiment(client, "benchmarks"),
                             run_name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")

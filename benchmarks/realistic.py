@@ -7,8 +7,9 @@ instruction data) and a random-weight model of a 100M+ shape (benchmarks/shapes/
 the embedded tokenizer), then runs, on 2 workers at sequence length 512 with the same global batch of rows:
 (a) the job with packing, (a') the job with one record per row, (c) the training step alone on
 synthetic full rows (benchmarks/step.py). Figures: real (non-pad) tokens per second per worker, time to
-first step, peak memory per worker, and the eval loss each job reaches; (a) is also evaluated at the step
-where it has trained as many real tokens as (a') in all, so the two losses compare at equal real tokens.
+first step, peak memory per worker, and the eval loss each job reaches. A third job runs (a') with as many
+rows per step as hold the real tokens of (a)'s rows: the same steps and about the same real tokens, so
+its eval loss is what (a)'s compares with at an equal number of real tokens (and updates).
 The compute dtype is the job's `auto` (bf16 where the CPU or GPU has bf16 units). Writes
 <out>/realistic.json, a plot, and an MLflow run (experiment "benchmarks").
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +31,7 @@ import numpy as np
 from benchmarks.common import SHAPES, last_json_line, random_checkpoint, torchrun, write_and_log
 
 MODES = {"a_packed": "(a) job, packed", "a_prime_unpacked": "(a') job, one record per row",
-         "c_step_only": "(c) step only"}
+         "a_prime_equal_tokens": "(a') with as many real tokens per step as (a)", "c_step_only": "(c) step only"}
 
 
 def long_tailed_chats(count: int, seed: int) -> list[dict]:
@@ -83,40 +85,33 @@ def run(args) -> dict:
     out = Path(args.out)
     model, train, evals = prepare(out, args.records)
     per_row = tokens_per_row(model, train, args.seq_len, 64)
-    equal_tokens_step = max(1, round(args.steps * per_row["unpacked"] / per_row["packed"]))
+    rows_for_equal_tokens = args.global_batch * max(1, round(per_row["packed"] / per_row["unpacked"]))
     common = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
-              f"data.max_seq_len={args.seq_len}", f"train.global_batch_size={args.global_batch}",
-              f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}",
-              "train.learning_rate=2e-4", "train.warmup_steps=0", "train.log_every=1", "train.sample_prompts=0",
-              "data.max_eval_rows=16", f"train.checkpoint_every={args.steps}"]
+              f"data.max_seq_len={args.seq_len}", f"train.max_steps={args.steps}", "train.learning_rate=2e-4",
+              "train.warmup_steps=0", "train.log_every=1", "train.sample_prompts=0", "data.max_eval_rows=16",
+              f"train.checkpoint_every={args.steps}", f"train.eval_every={args.steps}"]
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    settings = {"a_packed": ("true", args.global_batch, args.micro_batch),
+                "a_prime_unpacked": ("false", args.global_batch, args.micro_batch),
+                "a_prime_equal_tokens": ("false", rows_for_equal_tokens,
+                                         math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch))}
     jobs = {}
-    settings = (("a_packed", "true", equal_tokens_step), ("a_prime_unpacked", "false", args.steps))
-    for mode, packing, eval_every in settings:
-        overrides = [*common, f"data.packing={packing}", f"train.eval_every={eval_every}",
-                     f"train.run_name=realistic-{mode}-{stamp}"]
+    for mode, (packing, rows, micro) in settings.items():
+        overrides = [*common, f"data.packing={packing}", f"train.global_batch_size={rows}",
+                     f"train.micro_batch_size={micro}", f"train.run_name=realistic-{mode}-{stamp}"]
         jobs[mode] = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", "jobs/configs/embedded.yaml",
                                      *(a for o in overrides for a in ("--set", o))])
         jobs[mode]["tokens_per_second_per_worker"] = jobs[mode]["tokens_per_second"] / 2
-        jobs[mode]["eval_loss_by_step"] = eval_history(jobs[mode])
+        jobs[mode]["global_batch_rows"] = rows
     step = torchrun(2, "benchmarks.step", "--model-path", str(model), "--load", "full", "--steps", str(args.steps),
                     "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
                     "--accum", str(args.global_batch // (2 * args.micro_batch)), "--no-activation-checkpointing",
                     "--no-reshard-after-forward")
     packed, unpacked = jobs["a_packed"], jobs["a_prime_unpacked"]
     return {"seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch, "steps": args.steps,
-            "real_tokens_per_row": per_row, "equal_real_tokens_step_of_a": equal_tokens_step,
-            "a_packed": packed, "a_prime_unpacked": unpacked, "c_step_only": step,
+            "real_tokens_per_row": per_row, **jobs, "c_step_only": step,
             "ratio_a_over_a_prime": packed["tokens_per_second_per_worker"] / unpacked["tokens_per_second_per_worker"],
-            "eval_loss_a_at_equal_real_tokens": packed["eval_loss_by_step"].get(str(equal_tokens_step)),
-            "eval_loss_a_prime": unpacked["final_eval_loss"]}
-
-
-def eval_history(summary: dict) -> dict[str, float]:
-    from mlflow.tracking import MlflowClient
-
-    history = MlflowClient(summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"], "eval_loss")
-    return {str(m.step): m.value for m in history}
+            "ratio_a_over_c": packed["tokens_per_second_per_worker"] / step["tokens_per_second_per_worker"]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -129,7 +124,8 @@ def plot(result: dict, path: Path) -> None:
     panels = {"tokens_per_second_per_worker": "real tokens/s per worker", "time_to_first_step_seconds":
               "time to first step (s)", "peak_memory_gb": "peak memory per worker (GiB)"}
     for ax, (key, label) in zip(axes, panels.items()):
-        ax.bar(["a", "a'", "c"], [result[m].get(key) or 0 for m in MODES], color=["C0", "C1", "C2"])
+        ax.bar(["a", "a'", "a' (eq. tokens)", "c"], [result[m].get(key) or 0 for m in MODES],
+               color=["C0", "C1", "C3", "C2"])
         ax.set_title(label)
     fig.suptitle(f"long-tailed chat data, 125M shape, seq {result['seq_len']}, 2 workers, {result['steps']} steps  "
                  + "  ".join(MODES.values()), fontsize=9)

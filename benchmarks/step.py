@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (model.compile)")
+    p.add_argument("--attn-implementation", help="model.attn_implementation, e.g. flash_attention_2")
     p.add_argument("--mesh", type=int, nargs=2, metavar=("REPLICAS", "SHARD"))
     p.add_argument("--loss-chunk-tokens", type=int, default=1024, help="as train.loss_chunk_tokens; 0: plain loss")
     return p.parse_args(argv)
@@ -87,7 +88,8 @@ def build(args, device: torch.device):
     args.dtype, args.param_dtype = resolve_dtype(args.dtype, fast_bf16), resolve_dtype(args.param_dtype, fast_bf16)
     model_cfg = SimpleNamespace(path=args.model_path or os.path.dirname(os.path.abspath(args.model_config)),
                                 revision=None, trust_remote_code=False, dtype=args.dtype, load=args.load,
-                                gradient_checkpointing=not args.no_activation_checkpointing, compile=args.compile)
+                                gradient_checkpointing=not args.no_activation_checkpointing, compile=args.compile,
+                                attn_implementation=args.attn_implementation)
     lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear",
                                use_dora=False, use_rslora=False)
     fsdp_cfg = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype="float32", cpu_offload=args.cpu_offload,

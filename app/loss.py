@@ -13,6 +13,8 @@ logits of one chunk exist at a time (fp32 logits of seq 2048 x micro 2 x a 128k 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,6 +46,7 @@ def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, wor
 def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch; with
     `chunk_tokens`, computed in chunks where the model's output head allows it."""
+    batch = _as_one_sequence_for_flash(model, batch)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
     labels = batch["labels"][:, 1:].flatten()
     head = chunkable_head(model) if chunk_tokens else None
@@ -59,8 +62,18 @@ def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor
     finally:
         hook.remove()
     hidden = captured["hidden"][:, :-1].flatten(0, 1)
-    softcap = getattr(_causal_lm(model).config, "final_logit_softcapping", None)
+    softcap = getattr(_causal_lm(model).config.get_text_config(), "final_logit_softcapping", None)
     return ChunkedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens, softcap)
+
+
+def _as_one_sequence_for_flash(model, batch: dict) -> dict:
+    """FlashAttention kernels read packed records from restarting position ids only in a batch of one
+    row (transformers' varlen path): packed rows are laid end to end there. Exact: every packed row starts
+    at position 0 and its first label is masked, so no loss crosses from one row into the next."""
+    kernel = getattr(_causal_lm(model).config, "_attn_implementation", None) or ""
+    if batch.get("position_ids") is None or "flash" not in kernel or len(batch["input_ids"]) == 1:
+        return batch
+    return batch | {k: batch[k].reshape(1, -1) for k in ("input_ids", "labels", "position_ids")}
 
 
 def _causal_lm(model) -> nn.Module:
@@ -72,15 +85,24 @@ def _decoder_body(model) -> nn.Module:
     return getattr(lm, lm.base_model_prefix)
 
 
+# Config fields that change logits after the head (a scale or multiplier); a model with any of them set
+# takes the plain loss. Softcapping is applied by the chunked loss itself.
+LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier_scale",
+                    "logit_multiplier")
+
+
 def chunkable_head(model) -> nn.Linear | None:
-    """The output projection when logits are `hidden @ weight.T` (softcapped or not) and its weight is
-    gathered after the forward; None where the model does more (a bias, a logit scale, a LoRA-adapted head)."""
+    """The output projection when logits are `hidden @ weight.T` (softcapped or not) and the model's forward
+    takes `logits_to_keep`; None where the model does more (a bias, a logit scale or multiplier, a
+    LoRA-adapted head) or its forward is another (remote code): those take the plain loss."""
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
-    config = lm.config
     if type(head) is not nn.Linear or head.bias is not None or not hasattr(lm, lm.base_model_prefix):
         return None
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in ("logit_scale", "logits_scaling")):
+    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return None
+    configs = {id(c): c for c in (lm.config, lm.config.get_text_config())}.values()
+    if any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs for name in LOGIT_TRANSFORMS):
         return None
     return head
 

@@ -89,3 +89,21 @@ def test_each_packed_record_has_the_loss_it_has_alone(architecture, attention):
             packed_loss = token_loss[row, start:start + lengths[record] - 1].sum()
             assert packed_loss.item() == pytest.approx(alone[record].item(), rel=1e-5), (row, record)
             start += lengths[record]
+
+
+def test_for_flash_attention_packed_rows_are_laid_end_to_end_without_changing_the_loss():
+    """FlashAttention reads restarting positions only in a batch of one row (no GPU here: the flattened batch
+    is scored with SDPA, which reads them in any shape; equal losses show the flattening is exact)."""
+    from types import SimpleNamespace
+
+    from app.loss import _as_one_sequence_for_flash
+
+    packed = _columns(pack_rows(_token_rows([17, 9, 22, 30, 14, 6], seed=3), ROW, pad_id=0, sources=1, open_rows=4))
+    flash_model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    flat = _as_one_sequence_for_flash(flash_model, packed)
+    assert flat["input_ids"].shape == (1, packed["input_ids"].numel())
+    assert _as_one_sequence_for_flash(_tiny("llama", "sdpa"), packed) is packed  # other kernels: as it is
+    model = _tiny("llama", "sdpa")
+    with torch.no_grad():
+        assert summed_token_loss(model, flat).item() == pytest.approx(summed_token_loss(model, packed).item(), rel=1e-5)
+    assert target_token_count(flat["labels"]) == target_token_count(packed["labels"])

@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 
 from app.config import ModelSection
@@ -111,3 +112,15 @@ def test_records_without_their_fields_are_marked_for_dropping_not_fatal(tokenize
     """Only data the driver could not check whole (remote, past its sample) can hold them."""
     rows = tokenize_rows([{"prompt": "Write 5.", "completion": "five"}, {"question": "?"}], tokenizer, "auto", 32)
     assert rows["targets"][0] > 0 and rows["targets"][1] == -1
+
+
+def test_a_long_record_is_truncated_or_split_into_rows(tokenizer):
+    text = {"text": " ".join(["three hundred forty-seven"] * 12)}
+    whole, _ = tokenize_record(tokenizer, text, "text", None)
+    truncated = tokenize_rows([text, {"text": "one"}], tokenizer, "auto", 16)
+    split = tokenize_rows([text, {"text": "one"}], tokenizer, "auto", 16, long_records="split")
+    assert truncated["length"].tolist()[0] == 16 and len(truncated["length"]) == 2
+    pieces = -(-len(whole) // 16)
+    assert len(split["length"]) == pieces + 1 and split["length"][:pieces].sum() == len(whole)
+    rejoined = np.concatenate([split["input_ids"][i, :n] for i, n in enumerate(split["length"][:pieces])])
+    assert rejoined.tolist() == whole  # every token is in a row, in order

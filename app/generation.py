@@ -15,13 +15,18 @@ from app.formatting import IGNORE_INDEX
 
 
 def prompts_and_references(batches: Iterable[dict], count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `count` eval rows split into (prompt ids, reference ids); rows with no target are skipped."""
+    """The first `count` eval rows split into (prompt ids, reference ids); rows with no target are skipped.
+    A row that is target from its first token (plain text, a piece of a split record) keeps that first
+    token as its prompt: a model cannot continue an empty prompt."""
     pairs = []
     for batch in batches:
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
             targets = (labels != IGNORE_INDEX).nonzero()
             if len(targets) and len(pairs) < count:
-                pairs.append((ids[: targets[0, 0]], ids[labels != IGNORE_INDEX]))
+                start = max(int(targets[0, 0]), 1)
+                reference = ids[start:][labels[start:] != IGNORE_INDEX]
+                if len(reference):
+                    pairs.append((ids[:start], reference))
     return pairs
 
 

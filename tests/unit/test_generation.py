@@ -13,6 +13,14 @@ def test_prompt_is_everything_before_the_first_target_and_reference_is_the_targe
     assert prompt.tolist() == [1, 5, 6] and reference.tolist() == [7, 8]
 
 
+def test_a_row_that_is_target_from_its_first_token_keeps_that_token_as_its_prompt():
+    """Plain text, or a piece of a split record: an empty prompt cannot be continued."""
+    ids = torch.tensor([[1, 5, 6, 0], [9, 0, 0, 0]])
+    labels = torch.tensor([[1, 5, 6, IGNORE_INDEX], [9, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]])
+    [(prompt, reference)] = prompts_and_references([{"input_ids": ids, "labels": labels}], count=3)
+    assert prompt.tolist() == [1] and reference.tolist() == [5, 6]  # the 1-token row has nothing to continue
+
+
 def test_greedy_continuation_matches_transformers_generate(embedded):
     model_cfg = ModelSection(path=str(embedded["model"]), dtype="float32")
     model, tokenizer = load_base_model(model_cfg).eval(), load_tokenizer(model_cfg)

@@ -67,7 +67,7 @@ class FinetuneRecipe:
 
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
-    With several `source_names` (a data mixture), batches carry each row's source, and the share of
+    With several `source_names` (a data mixture), batches carry each row's records per source, and the share of
     records each source has given so far is logged as `data_share/<name>`.
     """
 
@@ -163,7 +163,7 @@ class FinetuneRecipe:
 
         step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches).to(ctx.device)]),
                                  self._rows_per_source(micro_batches).to(ctx.device)])
-        dist.all_reduce(step_totals)  # global loss sum, non-pad token count, rows of each source
+        dist.all_reduce(step_totals)  # global loss sum, non-pad token count, records of each source
         loss_total, tokens, *source_rows, target_tokens, grad_norm = torch.cat(  # the step's one host sync
             [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
         self.train_loss = loss_total / target_tokens

@@ -25,6 +25,7 @@ from app.embedded import ensure_embedded
 from app.errors import UserInputError
 from app.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
 from app.paths import in_ray_job
+from app.progress import StartupClock
 from app.runs import claimed_run
 from app.sharding import process_group_backend
 from app.worker import FAULT_ENV, WorkerLaunch, train_worker
@@ -125,6 +126,14 @@ def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.
     )
 
 
+def startup_timeline(figures: dict, kind: str = "startup_seconds") -> dict[str, float]:
+    """The driver's and the workers' start-up points (kind: seconds from the job's start, or rank 0's
+    resident memory there), in the order they were reached."""
+    order = {k.split("/", 1)[1]: v for k, v in figures.items() if k.startswith("startup_seconds/")}
+    points = {k.split("/", 1)[1]: round(v, 2) for k, v in figures.items() if k.startswith(f"{kind}/") and v is not None}
+    return dict(sorted(points.items(), key=lambda kv: order.get(kv[0]) or 0))
+
+
 def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False) -> dict:
     """Check, launch, train, record; returns the one-line JSON summary as a dict.
 
@@ -133,13 +142,16 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     """
     t0, job_start_time = time.perf_counter(), time.time()
+    startup = StartupClock(job_start_time)
     ensure_embedded(cfg)
     cfg = pin_hub_revision(cfg)
     inputs = check_inputs(cfg)
     cfg = with_loadable_model(cfg)
+    startup.reached("inputs_checked")
     with claimed_run(cfg, resume) as run_id:
         init_ray(verbose)
         check_placement(cfg)
+        startup.reached("ray_ready")
         if run_id is None:
             run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
                                                             "data.eval_rows": inputs.eval_rows},
@@ -147,11 +159,13 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
             cfg.run_dir.write_record(run_id)
         else:
             tracking.reopen_run(cfg.mlflow.tracking_uri, run_id, run_tags(cfg), cfg.model.revision)
+        startup.reached("mlflow_run_ready")
         status = "FAILED"
         try:
             train, eval_rows, data_stats = build_data(cfg, inputs)
             passes, pass_figures = start_passes(train, cfg.scaling.num_workers, cfg.data)
-            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures)
+            startup.reached("data_ready")
+            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
             trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
             summary = trainer.fit().metrics
             status = "FINISHED"
@@ -173,6 +187,8 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         "final_eval_loss": summary["final_eval_loss"],
         "tokens_per_second": summary["tokens_per_second_steady"],
         "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
+        "startup_seconds": startup_timeline(startup.seconds | summary),
+        "startup_rss_gb": startup_timeline(summary, "startup_rss_gb"),
         "data_wait_fraction": summary["data_wait_fraction"],
         "step_seconds_mean_steady": summary["step_seconds_mean_steady"],
         "peak_memory_gb": summary["peak_memory_gb_max_over_workers"],

@@ -36,6 +36,27 @@ class Progress:
               f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)
 
 
+def resident_memory_gb() -> float:
+    """This process's resident set size now (host memory: on a GPU worker, not the device's)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+class StartupClock:
+    """Where the time to the first step goes: seconds from the job's start (wall clock, shared by the
+    driver and the workers) to each point of start-up, as metrics `startup_seconds/<point>`, and the
+    process's resident memory there (`startup_rss_gb/<point>`, with `memory=True`: the workers)."""
+
+    def __init__(self, job_start_time: float, memory: bool = False):
+        self.job_start_time, self.memory, self.seconds = job_start_time, memory, {}
+
+    def reached(self, point: str) -> None:
+        self.seconds[f"startup_seconds/{point}"] = time.time() - self.job_start_time
+        if self.memory:
+            self.seconds[f"startup_rss_gb/{point}"] = resident_memory_gb()
+
+
 class ThroughputMeter:
     """Steady-state figures of an attempt: its first step (warm-up, compilation, first gathers) is left out."""
 

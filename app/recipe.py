@@ -32,7 +32,7 @@ from app.layout import RunDir
 from app.loading import build_sharded_lora_model
 from app.loss import global_target_tokens, scaled_micro_batch_loss
 from app.model import load_tokenizer
-from app.progress import Progress, ThroughputMeter, peak_memory_gb
+from app.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.ranks import RankContext, max_over_ranks, on_every_rank
 from app.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.stream import PassOverShard, ShardStream
@@ -81,12 +81,14 @@ class FinetuneRecipe:
         self.job_start_time = job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
+        self.startup = StartupClock(self.job_start_time, memory=True)
         self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
         self.source_names = source_names if len(source_names) > 1 else ()
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
 
     def setup(self) -> None:
         ctx = self.ctx
+        self.startup.reached("worker_started")
         cfg = self.cfg = self.cfg.with_dtypes_resolved(on_every_rank(has_fast_bf16(ctx.device), ctx))
         self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
                                  "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
@@ -95,6 +97,7 @@ class FinetuneRecipe:
         self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
                                               build_device_mesh(ctx.device.type, cfg.scaling.mesh),
                                               cfg.train.seed, ctx.device)
+        self.startup.reached("model_built")
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
                                            weight_decay=cfg.train.weight_decay)
@@ -107,7 +110,8 @@ class FinetuneRecipe:
             self.eval_loss = self.evaluate()
             self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
                                       initial_eval_loss=self.eval_loss)
-            self.tracker.log_metrics(eval_metrics(self.eval_loss), step=0)
+            self.startup.reached("initial_eval_done")
+            self.tracker.log_metrics(eval_metrics(self.eval_loss) | self.startup.seconds, step=0)
         else:
             self.state = restored
             self.scheduler.load_state_dict(restored.scheduler)
@@ -126,6 +130,7 @@ class FinetuneRecipe:
         for step in range(first, last + 1):
             metrics = self.train_step()
             if step == first:
+                self.startup.reached("first_step_done")
                 self.time_to_first_step = metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
             if step % self.cfg.train.eval_every == 0 or step == last:
                 self.eval_loss = self.evaluate()
@@ -174,7 +179,7 @@ class FinetuneRecipe:
                   for name, rows in zip(self.source_names, self.rows_per_source)}
         return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
                 "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
-                "data_wait_seconds": data_wait, **shares}
+                "data_wait_seconds": data_wait, "step_tokens": tokens, "step_target_tokens": target_tokens, **shares}
 
     def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
         n = len(self.source_names)
@@ -209,6 +214,7 @@ class FinetuneRecipe:
         summary = {"steps": cfg.train.max_steps, "final_train_loss": self.train_loss,
                    "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
                    **self.meter.summary(), "time_to_first_step_seconds": self.time_to_first_step,
+                   **self.startup.seconds,
                    "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
                    "worker_seconds": time.perf_counter() - self.started}
         if self.checkpoints:
@@ -221,7 +227,8 @@ class FinetuneRecipe:
         if samples is not None:
             self.tracker.log_table(samples, "eval/sample_generations.json")
         # an attempt that trained no step (resumed to redo the export) has no throughput: nothing to overwrite
-        finite = {k: v for k, v in summary.items() if math.isfinite(v)}
+        # (the start-up points were logged at step 0; the summary carries them to the driver)
+        finite = {k: v for k, v in summary.items() if math.isfinite(v) and not k.startswith("startup_")}
         self.tracker.log_metrics(finite, cfg.train.max_steps, once_per_step=False)
         return summary
 

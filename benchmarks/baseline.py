@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m benchmarks.baseline --model-path M --data train.jsonl --seq-len 32 \
         --micro-batch 16 --global-batch 32 --steps 60
 
-Every rank loads the whole model, wraps it in PEFT LoRA, casts everything to bf16, applies
+Every rank loads the whole model, wraps it in PEFT LoRA, casts everything to bf16 (`--dtype`), applies
 fully_shard to each decoder layer and the root with bf16 compute and bf16 gradient reduction, and
 trains on tensors tokenized up front (the same records and chat template as the job), with the
 model's own mean loss per micro-batch. No Ray, no Ray Data, no MLflow, no checkpoints. Prints one
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from app.progress import peak_memory_gb
+from app.progress import peak_memory_gb, resident_memory_gb
 from app.sharding import init_torchrun_process_group
 
 
@@ -37,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the seed casts to bf16; float32 shows the loop itself on hardware without bf16 units")
     return p.parse_args(argv)
 
 
@@ -56,18 +58,21 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rank, world, device = init_torchrun_process_group()
+    rss = {"imports": resident_memory_gb()}
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model_path).to(device)
     model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear",
                                              task_type="CAUSAL_LM"))
-    model.to(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    model.to(dtype)
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    rss["model_built"] = resident_memory_gb()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     data = pretokenized(args.data, tokenizer, args.seq_len, rank, world)
     accum = args.global_batch // (args.micro_batch * world)
@@ -82,14 +87,15 @@ def main(argv=None) -> None:
             labels = data["labels"][row:row + args.micro_batch].to(device)
             row += args.micro_batch
             (model(input_ids=ids, labels=labels).loss / accum).backward()
-            step_tokens += int((ids != tokenizer.pad_token_id).sum())
+            step_tokens += int(data["length"][row - args.micro_batch:row].sum())
         optimizer.step()
         optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         tokens.append(step_tokens)
-        first_step = first_step or time.perf_counter() - t_start
+        if first_step is None:
+            first_step, rss["first_step_done"] = time.perf_counter() - t_start, resident_memory_gb()
     steady = slice(args.warmup, None)
     peak = torch.tensor(peak_memory_gb(device), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -97,7 +103,8 @@ def main(argv=None) -> None:
         print(json.dumps({"world_size": world, "steps": args.steps, "time_to_first_step_seconds": first_step,
                           "tokens_per_second_per_worker": sum(tokens[steady]) / sum(times[steady]),
                           "peak_memory_gb": peak.item(), "step_seconds_median": statistics.median(times[steady]),
-                          "step_seconds_mean_steady": statistics.mean(times[steady])}),
+                          "step_seconds_mean_steady": statistics.mean(times[steady]),
+                          "rss_gb_rank0": {k: round(v, 2) for k, v in rss.items()}}),
               flush=True)
     dist.destroy_process_group()
 

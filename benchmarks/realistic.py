@@ -1,20 +1,21 @@
-"""Throughput on data shaped like real chat data: packing against one record per row, side by side.
+"""Throughput on data shaped like real chat data: the job packed and not, the seed's loop, TRL, side by side.
 
-    python -m benchmarks.realistic --steps 8
+    python -m benchmarks.realistic --steps 8     # pip install -e .[bench] first (TRL)
 
 Generates a long-tailed chat dataset (records of ~17 to ~1,000 tokens, most under 100: the shape of real
 instruction data) and a random-weight model of a 100M+ shape (benchmarks/shapes/bench_125m.json, with
-the embedded tokenizer), then runs, on 2 workers at sequence length 512 with the same global batch of rows:
-(a) the job with packing, (a') the job with one record per row, (c) the training step alone on
-synthetic full rows (benchmarks/step.py). Figures: real (non-pad) tokens per second per worker, time to
-first step, peak memory per worker, and the eval loss each job reaches. A third job runs (a') with as many
-rows per step as hold the real tokens of (a)'s rows: the same steps and about the same real tokens, so
-its eval loss is what (a)'s compares with at an equal number of real tokens (and updates).
-The compute dtype is the job's `auto` (bf16 where the CPU or GPU has bf16 units). Writes
+the embedded tokenizer), then runs, on 2 workers at sequence length 512, with the same global batch of
+rows, learning rate (constant) and LoRA:
+(a) the job with packing, (a') the job with one record per row, (b) the seed's torchrun loop (one record
+per row; benchmarks/baseline.py), (c) the training step alone on synthetic full rows (benchmarks/step.py),
+(p) TRL's SFTTrainer with its own packing under FSDP2 (benchmarks/trl_sft.py). A further job runs (a')
+with as many rows per step as hold the real tokens of (a)'s rows. Figures: real (non-pad) tokens per
+second per worker, time to first step, peak memory per worker, and the eval loss (the job's measure, on
+the same eval rows) after the same number of target tokens: (a) evaluates after every step, and its
+curve is read at the target tokens (a') and (p) trained on.
+The compute dtype is the job's `auto` (bf16 where the CPU or GPU has bf16 units), for (b) and (p) too:
+the seed's loop casts to bf16 whatever the hardware, 15x slower on a CPU without bf16 units. Writes
 <out>/realistic.json, a plot, and an MLflow run (experiment "benchmarks").
-
-Not run here: (b) the seed's torchrun loop, which computes in bf16 whatever the hardware (~113 s a step
-on the 125M shape at seq 128 on a CPU without bf16 units), and (p) TRL's SFTTrainer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import numpy as np
 from benchmarks.common import SHAPES, last_json_line, random_checkpoint, torchrun, write_and_log
 
 MODES = {"a_packed": "(a) job, packed", "a_prime_unpacked": "(a') job, one record per row",
-         "a_prime_equal_tokens": "(a') with as many real tokens per step as (a)", "c_step_only": "(c) step only"}
+         "a_prime_equal_tokens": "(a') with as many real tokens per step as (a)", "b_seed_loop": "(b) seed loop",
+         "c_step_only": "(c) step only", "p_trl_sft": "(p) TRL SFTTrainer, FSDP2"}
 
 
 def long_tailed_chats(count: int, seed: int) -> list[dict]:
@@ -81,37 +83,85 @@ def tokens_per_row(model: Path, train: Path, seq_len: int, open_rows: int) -> di
             "unpacked": float(lengths.mean()), "packed": float(lengths.sum() / packed_rows)}
 
 
+def job(overrides: list[str]) -> dict:
+    """One run of the job; its summary with the curves the comparison needs, read back from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    summary = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", "jobs/configs/embedded.yaml",
+                              *(a for o in overrides for a in ("--set", o))])
+    client = MlflowClient(summary["tracking_uri"])
+    curve = lambda name: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
+    targets = curve("step_target_tokens")
+    summary["target_tokens_per_step"] = [targets[step] for step in sorted(targets)]
+    summary["eval_loss_by_step"] = curve("eval_loss")
+    summary["tokens_per_second_per_worker"] = summary["tokens_per_second"] / 2
+    return summary
+
+
+def eval_loss_at(curve: dict, target_tokens_per_step: list[float], target_tokens: float) -> float | None:
+    """The eval loss a run had reached after `target_tokens` target tokens (linear between its evaluations;
+    None beyond its last one)."""
+    seen = np.concatenate([[0.0], np.cumsum(target_tokens_per_step)])
+    steps = sorted(curve)
+    if target_tokens > seen[steps[-1]]:
+        return None
+    return float(np.interp(target_tokens, [seen[s] for s in steps], [curve[s] for s in steps]))
+
+
 def run(args) -> dict:
+    from app.hardware import has_fast_bf16
+
     out = Path(args.out)
     model, train, evals = prepare(out, args.records)
     per_row = tokens_per_row(model, train, args.seq_len, 64)
     rows_for_equal_tokens = args.global_batch * max(1, round(per_row["packed"] / per_row["unpacked"]))
     common = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
-              f"data.max_seq_len={args.seq_len}", f"train.max_steps={args.steps}", "train.learning_rate=2e-4",
+              f"data.max_seq_len={args.seq_len}", "train.learning_rate=2e-4", "train.lr_schedule=constant",
               "train.warmup_steps=0", "train.log_every=1", "train.sample_prompts=0", "data.max_eval_rows=16",
-              f"train.checkpoint_every={args.steps}", f"train.eval_every={args.steps}"]
+              "fsdp.reshard_after_forward=true"]  # FSDP's default, the seed's and TRL's: memory compares
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    settings = {"a_packed": ("true", args.global_batch, args.micro_batch),
-                "a_prime_unpacked": ("false", args.global_batch, args.micro_batch),
+    # (a) runs half as many steps again, evaluating after each (a constant rate: its first steps are the
+    # same), so its eval loss can be read at the target tokens the others reached
+    steps_a = math.ceil(1.5 * args.steps)
+    settings = {"a_packed": ("true", args.global_batch, args.micro_batch, steps_a, 1),
+                "a_prime_unpacked": ("false", args.global_batch, args.micro_batch, args.steps, args.steps),
                 "a_prime_equal_tokens": ("false", rows_for_equal_tokens,
-                                         math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch))}
-    jobs = {}
-    for mode, (packing, rows, micro) in settings.items():
-        overrides = [*common, f"data.packing={packing}", f"train.global_batch_size={rows}",
-                     f"train.micro_batch_size={micro}", f"train.run_name=realistic-{mode}-{stamp}"]
-        jobs[mode] = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", "jobs/configs/embedded.yaml",
-                                     *(a for o in overrides for a in ("--set", o))])
-        jobs[mode]["tokens_per_second_per_worker"] = jobs[mode]["tokens_per_second"] / 2
-        jobs[mode]["global_batch_rows"] = rows
-    step = torchrun(2, "benchmarks.step", "--model-path", str(model), "--load", "full", "--steps", str(args.steps),
-                    "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-                    "--accum", str(args.global_batch // (2 * args.micro_batch)), "--no-activation-checkpointing",
-                    "--no-reshard-after-forward")
-    packed, unpacked = jobs["a_packed"], jobs["a_prime_unpacked"]
-    return {"seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch, "steps": args.steps,
-            "real_tokens_per_row": per_row, **jobs, "c_step_only": step,
-            "ratio_a_over_a_prime": packed["tokens_per_second_per_worker"] / unpacked["tokens_per_second_per_worker"],
-            "ratio_a_over_c": packed["tokens_per_second_per_worker"] / step["tokens_per_second_per_worker"]}
+                                         math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch), args.steps,
+                                         args.steps)}
+    result = {"seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch, "steps": args.steps,
+              "dtype": "bfloat16" if has_fast_bf16(__import__("torch").device("cpu")) else "float32",
+              "real_tokens_per_row": per_row}
+    for mode, (packing, rows, micro, steps, eval_every) in settings.items():
+        result[mode] = job([*common, f"data.packing={packing}", f"train.global_batch_size={rows}",
+                            f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
+                            f"train.eval_every={eval_every}", f"train.checkpoint_every={steps}",
+                            f"train.run_name=realistic-{mode}-{stamp}"])
+        result[mode]["global_batch_rows"] = rows
+    warmup = str(min(2, args.steps - 1))  # steps left out of the torchrun modes' throughput
+    result["b_seed_loop"] = torchrun(2, "benchmarks.baseline", "--model-path", str(model), "--data", str(train),
+                                     "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+                                     "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+                                     "--dtype", result["dtype"], "--warmup", warmup)
+    result["c_step_only"] = torchrun(2, "benchmarks.step", "--model-path", str(model), "--load", "full",
+                                     "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+                                     "--micro-batch", str(args.micro_batch),
+                                     "--accum", str(args.global_batch // (2 * args.micro_batch)),
+                                     "--no-activation-checkpointing", "--warmup", warmup)
+    result["p_trl_sft"] = torchrun(2, "benchmarks.trl_sft", "--model-path", str(model), "--train", str(train),
+                                   "--eval", str(evals), "--seq-len", str(args.seq_len),
+                                   "--micro-batch", str(args.global_batch // 2), "--steps", str(args.steps),
+                                   "--warmup", warmup, "--out", str(out / "trl"))
+    packed = result["a_packed"]
+    speed = lambda mode: result[mode]["tokens_per_second_per_worker"]
+    result["real_tokens_per_second_a_over"] = {mode: speed("a_packed") / speed(mode) for mode in
+                                               ("a_prime_unpacked", "b_seed_loop", "c_step_only", "p_trl_sft")}
+    for mode in ("a_prime_equal_tokens", "p_trl_sft"):
+        other = result[mode]
+        tokens = sum(other["target_tokens_per_step"])
+        result[f"eval_loss_vs_{mode}"] = {
+            "target_tokens": tokens, mode: other["final_eval_loss"],
+            "a_packed": eval_loss_at(packed["eval_loss_by_step"], packed["target_tokens_per_step"], tokens)}
+    return result
 
 
 def plot(result: dict, path: Path) -> None:
@@ -124,8 +174,8 @@ def plot(result: dict, path: Path) -> None:
     panels = {"tokens_per_second_per_worker": "real tokens/s per worker", "time_to_first_step_seconds":
               "time to first step (s)", "peak_memory_gb": "peak memory per worker (GiB)"}
     for ax, (key, label) in zip(axes, panels.items()):
-        ax.bar(["a", "a'", "a' (eq. tokens)", "c"], [result[m].get(key) or 0 for m in MODES],
-               color=["C0", "C1", "C3", "C2"])
+        ax.bar(["a", "a'", "a' eq.", "b", "c", "p"], [result[m].get(key) or 0 for m in MODES],
+               color=["C0", "C1", "C3", "C4", "C2", "C5"])
         ax.set_title(label)
     fig.suptitle(f"long-tailed chat data, 125M shape, seq {result['seq_len']}, 2 workers, {result['steps']} steps  "
                  + "  ".join(MODES.values()), fontsize=9)

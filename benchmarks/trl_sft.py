@@ -1,0 +1,177 @@
+"""Mode (p) of the realistic-data benchmark: TRL's SFTTrainer with PEFT LoRA under FSDP2, as users run it.
+
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.trl_sft --model-path M --train train.jsonl \
+        --eval eval.jsonl --seq-len 512 --micro-batch 1 --steps 8
+
+What a TRL user writes: chats as prompt/completion conversations (loss on the completion only), TRL's own
+tokenization and packing (best-fit decreasing, padding-free with position ids), `fsdp_config` version 2
+wrapping each decoder layer (transformers -> accelerate -> `fully_shard`), the same LoRA (r, alpha,
+all-linear), AdamW, learning rate, constant schedule and gradient clipping as the job's benchmark runs.
+bf16 mixed precision where the hardware has bf16 units (app/hardware.py's test), fp32 otherwise, like
+the job's `auto`. Needs the `bench` extra (`pip install -e .[bench]`: trl).
+
+The eval loss is measured the way the job measures it (app/formatting.py's rows, mean over every target
+token of the eval rows), before and after training, so (p)'s figure compares with (a)'s. Prints one JSON
+line (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+T_START = time.perf_counter()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun ... -m benchmarks.trl_sft", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--train", required=True, help="JSONL chats ({'messages': [user, assistant]})")
+    p.add_argument("--eval", required=True, help="JSONL chats, scored like the job's eval")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True, help="packed rows per worker per step")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--eval-rows", type=int, default=16)
+    p.add_argument("--out", default="outputs/benchmark/trl")
+    return p.parse_args(argv)
+
+
+def prompt_completion(path: str):
+    """The chats as TRL's conversational prompt/completion dataset: the loss falls on the completion."""
+    from datasets import Dataset
+
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    return Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in records])
+
+
+class StepClock:
+    """The collator, counting the real and target tokens of each batch it builds, and a TrainerCallback
+    noting when each step ends. (The data loader fetches one batch ahead, so counts are kept per batch:
+    with no accumulation, step i trains on batch i.)"""
+
+    def __init__(self, collator):
+        self.collator, self.step_ends, self.real, self.target = collator, [], [], []
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        padding_free = "position_ids" in batch and "attention_mask" not in batch
+        self.real.append(int(batch["input_ids"].numel() if padding_free else batch["attention_mask"].sum()))
+        self.target.append(int((batch["labels"] != -100).sum()))
+        return batch
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        step_ends = self.step_ends
+
+        class _Clock(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                step_ends.append(time.perf_counter())
+
+        return _Clock()
+
+
+@torch.no_grad()
+def eval_loss(model, rows: dict, rank: int, world: int) -> float:
+    """Mean cross-entropy over every target token of the eval rows, ranks in lockstep (FSDP gathers)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    for i in range(len(rows["input_ids"])):
+        ids = torch.as_tensor(rows["input_ids"][i : i + 1])
+        labels = torch.as_tensor(rows["labels"][i : i + 1])
+        logits = model(input_ids=ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+        if i % world == rank:  # every rank ran the forward; each row counted once
+            total += torch.stack([loss.double(), (labels[0, 1:] != -100).sum().double()])
+    model.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def fsdp_on_cpu(trainer_class):
+    """`trainer_class` with accelerate's FSDP path on CPUs too. accelerate resolves a CPU process group to
+    MULTI_CPU and then wraps the model in DDP, ignoring `fsdp_config`; on a GPU it takes the FSDP path by
+    itself. This sets the state that path expects (the type and the plugin transformers built from
+    `fsdp_config`), so `fully_shard` is applied by accelerate's own `fsdp2_prepare_model`."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    class OnCpu(trainer_class):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            if state.distributed_type == DistributedType.MULTI_CPU:
+                plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                if state.mixed_precision != "no":
+                    plugin.set_mixed_precision(state.mixed_precision)
+                state.distributed_type, state.fsdp_plugin, self.is_fsdp_enabled = DistributedType.FSDP, plugin, True
+
+    return OnCpu
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from app.formatting import tokenize_rows
+    from app.hardware import has_fast_bf16
+    from app.progress import peak_memory_gb
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bf16 = has_fast_bf16(torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="sdpa")
+    layer_class = type(model.model.layers[0]).__name__
+    config = SFTConfig(
+        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, max_length=args.seq_len, packing=True, activation_checkpointing=False,
+        bf16=bf16, use_cpu=True,
+        fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
+                                "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
+        logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    trainer = fsdp_on_cpu(SFTTrainer)(model=model, args=config, train_dataset=prompt_completion(args.train),
+                         processing_class=tokenizer, peft_config=lora)
+    clock = StepClock(trainer.data_collator)
+    trainer.data_collator = clock
+    trainer.add_callback(clock.callback())
+
+    eval_records = [json.loads(line) for line in open(args.eval) if line.strip()][: args.eval_rows]
+    eval_rows = tokenize_rows(eval_records, tokenizer, "auto", args.seq_len)
+    trainer.accelerator.wait_for_everyone()
+    train_start = time.perf_counter()
+    trainer.train()
+    fsdp_model = trainer.model_wrapped
+    sharded = type(fsdp_model).__name__.startswith("FSDP")  # fully_shard swaps in an FSDP<Module> class
+    final = eval_loss(fsdp_model, eval_rows, rank, world)
+    counts = torch.tensor([clock.real[: args.steps], clock.target[: args.steps]], dtype=torch.float64)
+    dist.all_reduce(counts)  # both ranks' tokens, step by step
+    steady = slice(args.warmup, None)
+    seconds = [b - a for a, b in zip([train_start, *clock.step_ends], clock.step_ends)]
+    peak = torch.tensor(peak_memory_gb(torch.device("cpu")))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        real, target = counts[0].tolist(), counts[1].tolist()
+        print(json.dumps({
+            "world_size": world, "steps": args.steps, "dtype": "bfloat16" if bf16 else "float32",
+            "time_to_first_step_seconds": clock.step_ends[0] - T_START,
+            "tokens_per_second_per_worker": sum(real[steady]) / sum(seconds[steady]) / world,
+            "target_tokens_per_step": target, "real_tokens_per_step": real,
+            "peak_memory_gb": peak.item(), "final_eval_loss": final, "fsdp2": sharded}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

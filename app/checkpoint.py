@@ -9,12 +9,13 @@ are never written. DCP reshards on load, so a run saved by N workers resumes on 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from app.sharding import reshard
 
 TRAINER_STATE = "trainer_state.json"
+BEST_ADAPTER = "best_adapter.safetensors"  # train.export=best: the LoRA weights of the best evaluation
 # strict=False: the frozen base is not in the checkpoint; dcp.load already fails on a missing LoRA key
 _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -34,10 +36,14 @@ class TrainerState:
     scheduler: dict
     initial_eval_loss: float  # of the untrained model, kept for the run's summary
     train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
+    best: dict = field(default_factory=dict)  # app.evaluation.BestEvaluation.state()
+    stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
 
 
-def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState) -> None:
-    """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`."""
+def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState,
+                        best_adapter: dict[str, torch.Tensor] | None = None) -> None:
+    """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`
+    (rank 0 also the whole `best_adapter`, which every rank holds)."""
     reshard(model)  # the fp32 shards, not gathered copies an eval forward left behind
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
@@ -45,6 +51,8 @@ def save_training_state(directory: Path, model: nn.Module, optimizer, state: Tra
     torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
     if rank == 0:
         (directory / TRAINER_STATE).write_text(json.dumps(asdict(state)))
+        if best_adapter is not None:
+            save_file({k: v.contiguous() for k, v in best_adapter.items()}, str(directory / BEST_ADAPTER))
 
 
 def load_training_state(directory: Path, model: nn.Module, optimizer) -> TrainerState:
@@ -58,6 +66,10 @@ def load_training_state(directory: Path, model: nn.Module, optimizer) -> Trainer
     if rng.exists():  # absent when resuming on more ranks than saved: the seed set at start stands
         torch.set_rng_state(torch.load(rng))
     return TrainerState(**json.loads((directory / TRAINER_STATE).read_text()))
+
+
+def load_best_adapter(directory: Path) -> dict[str, torch.Tensor] | None:
+    return load_file(str(directory / BEST_ADAPTER)) if (directory / BEST_ADAPTER).exists() else None
 
 
 def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

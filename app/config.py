@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app import paths
 from app.errors import UserInputError
 from app.layout import OutputDir, RunDir
+from app.task_metrics import BUILTIN as BUILTIN_METRICS
+from app.task_metrics import is_valid_spec, metric_name
 
 DType = Literal["bfloat16", "float16", "float32"]
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,127}")  # a directory, an MLflow run and a Ray job id
@@ -142,9 +144,36 @@ class TrainSection(_Section):
                             "store go under here")
     run_name: str | None = Field(None, description="the run directory, MLflow run and job name; defaults to "
                                  "the config file's name and the start time")
+    best_metric: str = Field("eval_loss", description="the evaluation figure that ranks checkpoints: eval_loss, "
+                             "eval_perplexity (lower is better) or a task metric eval_<name> (higher is better)")
+    early_stopping_patience: int | None = Field(None, gt=0, description="stop after this many evaluations in a "
+                                                "row without a better train.best_metric; None: train max_steps")
+    export: Literal["last", "best"] = Field("last", description="which weights become the run's adapter: the "
+                                            "last step's, or those of the evaluation with the best train.best_metric")
     sample_prompts: int = Field(4, ge=0, description="eval prompts whose greedy generations are logged as an "
                                                      "MLflow table at the end")
     sample_max_new_tokens: int = Field(32, gt=0, description="tokens generated per sample prompt")
+
+
+class EvalSection(_Section):
+    """Task metrics: greedy answers to held-out prompts, scored against their references."""
+
+    generation_rows: int = Field(0, ge=0, description="eval prompts greedy-decoded at each evaluation and scored "
+                                 "with eval.metrics (0: none); the first train.sample_prompts of the final "
+                                 "evaluation's answers, with their scores, are the run's sample table")
+    metrics: list[str] = Field(["exact_match"], description="scores of a generation against its reference, logged "
+                               "as eval_<name>: exact_match, contains (up to whitespace), or a function "
+                               "`module:function` (prediction, reference -> float), logged as eval_<function>")
+    max_new_tokens: int = Field(32, gt=0, description="tokens generated per eval prompt at most")
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, metrics: list[str]) -> list[str]:
+        for spec in metrics:
+            if not is_valid_spec(spec):
+                raise ValueError(f"eval.metrics: {spec!r}: use {', '.join(BUILTIN_METRICS)} or a function as "
+                                 "module:function")
+        return metrics
 
 
 class ScalingSection(_Section):
@@ -165,6 +194,12 @@ class MlflowSection(_Section):
     experiment: str = Field("lora-finetune", description="the MLflow experiment runs are recorded in")
     sweep: str | None = Field(None, description="the sweep this run belongs to (a tag the UI groups by)")
     parent_run_id: str | None = Field(None, description="nest this run under that run in the UI (a sweep's parent)")
+    registered_model: str | None = Field(None, description="register the run's adapter (logged as the MLflow "
+                                         "Model `model`) as a new version of this registered model; None: not "
+                                         "registered")
+    system_metrics_seconds: float = Field(10.0, ge=0.0, description="rank 0 samples its node's CPU, memory, disk "
+                                          "and network (GPU too, with nvidia-ml-py installed) this often into "
+                                          "MLflow's system/* metrics; 0: off")
 
 
 class FinetuneConfig(_Section):
@@ -173,6 +208,7 @@ class FinetuneConfig(_Section):
     fsdp: FsdpSection = FsdpSection()
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
     scaling: ScalingSection = ScalingSection()
     mlflow: MlflowSection = MlflowSection()
 
@@ -194,6 +230,12 @@ class FinetuneConfig(_Section):
         if self.fsdp.param_dtype == "float16":
             raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "
                              "gradients underflow to zero): use bfloat16, float32 or auto")
+        ranked = {"eval_loss", "eval_perplexity"} | (
+            {metric_name(spec) for spec in self.eval.metrics} if self.eval.generation_rows else set())
+        if self.train.best_metric not in ranked:
+            raise ValueError(f"train.best_metric={self.train.best_metric} is not an evaluation figure of this "
+                             f"config: use one of {', '.join(sorted(ranked))} (task metrics need "
+                             "eval.generation_rows > 0)")
         weights = self.data.mixture_weights
         if weights is not None and (len(weights) != len(self.data.train_paths) or min(weights) <= 0):
             raise ValueError(f"data.mixture_weights={weights} must give one positive weight for each of the "

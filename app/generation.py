@@ -1,15 +1,18 @@
-"""Sample generations on held-out prompts: what a reviewer reads next to the eval loss.
+"""Greedy generations on held-out prompts: the sample table and the task metrics (app/task_metrics.py).
 
 The prompt of an eval row is everything before its first target token; the reference is its target
-tokens. Decoding is greedy for a fixed number of steps without a KV cache, so every FSDP rank runs
-the same forward passes in lockstep (each forward all-gathers parameters) and gets the same text.
+tokens. The prompts are dealt to the ranks, each rank decodes its share as one left-padded batch, and
+the texts are gathered. Decoding runs without a KV cache and every rank runs a forward at every decoding
+step until every rank's rows have ended (FSDP all-gathers parameters in each forward, so the ranks
+must stay in lockstep); a rank with no prompt left decodes a stand-in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from app.formatting import IGNORE_INDEX
 
@@ -31,31 +34,60 @@ def prompts_and_references(batches: Iterable[dict], count: int) -> list[tuple[to
 
 
 @torch.no_grad()
-def greedy_continuation(model, prompt: torch.Tensor, max_new_tokens: int, eos_id: int | None) -> torch.Tensor:
-    """The argmax continuation of one prompt, cut after the first end-of-sequence token.
-
-    Always runs `max_new_tokens` forward passes, so ranks sharing a sharded model never diverge.
-    """
-    ids = prompt.unsqueeze(0)
+def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int | None, pad_id: int,
+                 device: torch.device, everyone_done: Callable[[bool], bool] = bool) -> list[torch.Tensor]:
+    """The argmax continuations of several prompts at once (left-padded; position ids count real tokens
+    only), each cut after its first end-of-sequence token. `everyone_done(mine)` says whether every rank's
+    rows have ended: the loop stops only then."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt.to(device), 1
+    ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    new: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
-        next_id = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_id.to(ids.dtype)], dim=1)
-    new = ids[0, prompt.numel():]
-    if eos_id is not None and (new == eos_id).any():
-        new = new[: int((new == eos_id).nonzero()[0, 0]) + 1]
-    return new
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_id = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].argmax(-1)
+        next_id = torch.where(ended, pad_id, next_id)
+        new.append(next_id)
+        ids, mask = torch.cat([ids, next_id[:, None]], 1), torch.cat([mask, (~ended)[:, None].long()], 1)
+        if eos_id is not None:
+            ended |= next_id == eos_id
+        if everyone_done(bool(ended.all())):
+            break
+    out = torch.stack(new, 1).cpu() if new else torch.zeros(len(prompts), 0, dtype=torch.long)
+    continuations = []
+    for row, done in zip(out, ended.cpu()):
+        cut = int((row == eos_id).nonzero()[0, 0]) + 1 if done else len(row)
+        continuations.append(row[:cut])
+    return continuations
 
 
-def sample_generations(model, batches: Iterable[dict], tokenizer, count: int, max_new_tokens: int,
-                       device: torch.device) -> dict[str, list[str]]:
-    """A table (column -> values) of prompt, reference and generated text for `count` eval rows."""
+def _all_ranks_done(mine: bool, device: torch.device) -> bool:
+    flag = torch.tensor([float(mine)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_new_tokens: int,
+                     device: torch.device) -> dict[str, list[str]]:
+    """A table (column -> values) of prompt, reference and generated text for up to `count` eval rows,
+    the same on every rank (the rows are decoded across the ranks of the default process group)."""
+    pairs = prompts_and_references(batches, count)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = list(range(rank, len(pairs), world))
+    prompts = [pairs[i][0] for i in mine] or [pairs[0][0] if pairs else torch.tensor([tokenizer.eos_token_id or 0])]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     was_training = model.training
     model.eval()
-    table: dict[str, list[str]] = {"prompt": [], "reference": [], "generated": []}
-    for prompt, reference in prompts_and_references(batches, count):
-        generated = greedy_continuation(model, prompt.to(device), max_new_tokens, tokenizer.eos_token_id)
-        table["prompt"].append(tokenizer.decode(prompt, skip_special_tokens=True))
-        table["reference"].append(tokenizer.decode(reference, skip_special_tokens=True))
-        table["generated"].append(tokenizer.decode(generated, skip_special_tokens=True))
+    texts = greedy_batch(model, prompts, max_new_tokens, tokenizer.eos_token_id, pad_id, device,
+                         lambda mine_done: _all_ranks_done(mine_done, device))
     model.train(was_training)
-    return table
+    decoded = {i: tokenizer.decode(t, skip_special_tokens=True) for i, t in zip(mine, texts)}
+    gathered: list[dict[int, str] | None] = [None] * world
+    dist.all_gather_object(gathered, decoded)
+    generated = {i: text for part in gathered for i, text in part.items()}
+    return {"prompt": [tokenizer.decode(p, skip_special_tokens=True) for p, _ in pairs],
+            "reference": [tokenizer.decode(r, skip_special_tokens=True) for _, r in pairs],
+            "generated": [generated[i] for i in range(len(pairs))]}

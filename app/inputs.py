@@ -7,6 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from app import task_metrics
 from app.config import FinetuneConfig
 from app.datasource import DataSource, check_source, resolve_source
 from app.errors import UserInputError
@@ -39,6 +40,8 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     check_lora_targets(cfg.model, cfg.lora)
+    for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
+        task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
     return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
 
 

@@ -126,6 +126,29 @@ def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.
     )
 
 
+def log_model_quietly(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str]:
+    """The adapter as the run's MLflow Model (and a registered version): a failure warns, the adapter is
+    on disk either way."""
+    from app.registry import log_adapter_model
+
+    try:
+        return log_adapter_model(cfg, run_id, summary) or {}
+    except Exception as e:
+        print(f"warning: MLflow: the adapter was not logged as a model ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is at {cfg.run_dir.adapter}",
+              file=sys.stderr, flush=True)
+        return {}
+
+
+def best_tags(cfg: FinetuneConfig, summary: dict) -> dict[str, str]:
+    """Tags that name the run's best evaluation (and which weights its adapter holds)."""
+    if summary.get("best_step") is None:
+        return {}
+    return {"best_metric": cfg.train.best_metric, "best_step": str(int(summary["best_step"])),
+            "best_value": f"{summary['best_value']:.6g}", "adapter_weights": cfg.train.export,
+            "stopped_early": str(bool(summary.get("stopped_early"))).lower()}
+
+
 def startup_timeline(figures: dict, kind: str = "startup_seconds") -> dict[str, float]:
     """The driver's and the workers' start-up points (kind: seconds from the job's start, or rank 0's
     resident memory there), in the order they were reached."""
@@ -169,6 +192,8 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
             trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
             summary = trainer.fit().metrics
             status = "FINISHED"
+            tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, summary))
+            model = log_model_quietly(cfg, run_id, summary)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
             status = "KILLED"
             raise
@@ -185,6 +210,10 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         "initial_eval_loss": summary["initial_eval_loss"],
         "final_train_loss": summary["final_train_loss"],
         "final_eval_loss": summary["final_eval_loss"],
+        **{k: v for k, v in summary.items() if k.startswith("final_eval_") and k != "final_eval_loss"},
+        "best": {"metric": cfg.train.best_metric, "step": summary.get("best_step"), "value": summary.get("best_value"),
+                 "exported": cfg.train.export == "best"},
+        "stopped_early": bool(summary.get("stopped_early")),
         "tokens_per_second": summary["tokens_per_second_steady"],
         "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
         "startup_seconds": startup_timeline(startup.seconds | summary),
@@ -193,5 +222,6 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         "step_seconds_mean_steady": summary["step_seconds_mean_steady"],
         "peak_memory_gb": summary["peak_memory_gb_max_over_workers"],
         "mlflow_synced": recorded,
+        **model,
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }

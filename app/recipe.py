@@ -2,7 +2,7 @@
 
     setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
     train_step()  one optimizer step: micro-batches -> loss over the global batch's targets -> clip -> step
-    evaluate()    mean eval loss per target token, all ranks together
+    evaluate()    mean eval loss per target token, and task metrics of greedy answers, all ranks together
     finish()      sample generations, the adapter gathered from every shard, the run's summary
 
 Plain torch: the process group must exist, and batches arrive as iterables of {"input_ids", "labels"}
@@ -23,10 +23,17 @@ import torch
 import torch.distributed as dist
 from transformers import get_scheduler
 
-from app.checkpoint import TrainerState, gather_trainable_state, load_training_state, save_adapter, save_training_state
+from app.checkpoint import (
+    TrainerState,
+    gather_trainable_state,
+    load_best_adapter,
+    load_training_state,
+    save_adapter,
+    save_training_state,
+)
 from app.config import FinetuneConfig
-from app.evaluation import eval_metrics, evaluate_loss
-from app.generation import sample_generations
+from app.evaluation import BestEvaluation, eval_metrics, evaluate_loss
+from app.generation import generation_table
 from app.hardware import has_fast_bf16
 from app.layout import RunDir
 from app.loading import build_sharded_lora_model
@@ -36,6 +43,7 @@ from app.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.ranks import RankContext, max_over_ranks, on_every_rank
 from app.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.stream import PassOverShard, ShardStream
+from app.task_metrics import row_scores, score
 
 
 class Tracker(Protocol):
@@ -63,7 +71,8 @@ class CheckpointStore(Protocol):
 
 
 class FinetuneRecipe:
-    """Train until `train.max_steps` optimizer steps are done, the same number on every rank.
+    """Train until `train.max_steps` optimizer steps are done, the same number on every rank, or until
+    `train.early_stopping_patience` evaluations in a row have not beaten the best one.
 
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
@@ -104,40 +113,48 @@ class FinetuneRecipe:
         self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
                                        num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.max_steps)
-        restored = (self.checkpoints.restore(lambda d: load_training_state(d, self.model, self.optimizer))
+        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer),
+                                                         load_best_adapter(d)))
                     if self.checkpoints else None)
+        self.best, self.best_adapter = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience), None
         if restored is None:
-            self.eval_loss = self.evaluate()
+            figures = self.evaluate()
             self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
                                       initial_eval_loss=self.eval_loss)
+            self.rank_evaluation(0)
             self.startup.reached("initial_eval_done")
-            self.tracker.log_metrics(eval_metrics(self.eval_loss) | self.startup.seconds, step=0)
+            self.tracker.log_metrics(figures | self.startup.seconds, step=0)
         else:
-            self.state = restored
-            self.scheduler.load_state_dict(restored.scheduler)
+            self.state, self.best_adapter = restored
+            self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **self.state.best)
+            self.scheduler.load_state_dict(self.state.scheduler)
             self.eval_loss = None  # nothing evaluated in this attempt yet
             self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step, once_per_step=False)
         self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
                                    self.state.rows_into_epoch // ctx.world_size)
-        self.train_loss = self.state.train_loss
+        self.train_loss, self.step = self.state.train_loss, self.state.step
+        self.stopped_early = self.state.stopped_early
 
     def train(self) -> dict[str, float]:
         """setup, then the loop, then finish: what each worker runs."""
         self.setup()
-        first, last = self.state.step + 1, self.cfg.train.max_steps
+        first, last = self.state.step + 1, self.state.step if self.stopped_early else self.cfg.train.max_steps
         progress = Progress(first, last, enabled=self.ctx.is_main)
         self.model.train()
         for step in range(first, last + 1):
             metrics = self.train_step()
+            self.step = step
             if step == first:
                 self.startup.reached("first_step_done")
                 self.time_to_first_step = metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
             if step % self.cfg.train.eval_every == 0 or step == last:
-                self.eval_loss = self.evaluate()
-                metrics |= eval_metrics(self.eval_loss)
+                metrics |= self.evaluate()
+                self.stopped_early = self.rank_evaluation(step) and step != last
             if step % self.cfg.train.log_every == 0 or "eval_loss" in metrics or step == first:
                 self.tracker.log_metrics(metrics, step)
                 progress.line(step, metrics)
+            if self.stopped_early:
+                break
             if self.checkpoints and step % self.cfg.train.checkpoint_every == 0 and step != last:
                 self.save_checkpoint(step)
         return self.finish()  # saves the last checkpoint, with the run's summary
@@ -187,16 +204,47 @@ class FinetuneRecipe:
             return torch.zeros(0, dtype=torch.float64)
         return sum(b["records"].sum(0) for b in micro_batches).double()
 
-    def evaluate(self) -> float:
-        return evaluate_loss(self.model, self.eval_pass, self.ctx, self.cfg.train.loss_chunk_tokens)
+    def evaluate(self) -> dict[str, float]:
+        """Eval loss and perplexity; with eval.generation_rows, the task metrics of greedy answers (the
+        generations are kept: the final evaluation's become the sample table)."""
+        cfg = self.cfg
+        figures = eval_metrics(evaluate_loss(self.model, self.eval_pass, self.ctx, cfg.train.loss_chunk_tokens))
+        if cfg.eval.generation_rows:
+            self.generations = generation_table(self.model, self.eval_pass(), self.tokenizer,
+                                                cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
+            figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
+        self.eval_loss, self.eval_figures = figures["eval_loss"], figures
+        return figures
+
+    def rank_evaluation(self, step: int) -> bool:
+        """Keep the best evaluation by train.best_metric (with train.export=best, its adapter weights: a
+        collective, taken on every rank alike since the figures are reduced over all ranks); True when
+        train.early_stopping_patience evaluations in a row have not beaten it."""
+        if self.best.update(step, self.eval_figures) and self.cfg.train.export == "best":
+            self.best_adapter = gather_trainable_state(self.model)
+        return self.best.patience_spent
+
+    def sample_table(self) -> dict[str, list] | None:
+        """`train.sample_prompts` generations: the final evaluation's, with each row's task scores, when it
+        decoded that many (eval.generation_rows); else decoded now."""
+        cfg, count = self.cfg, self.cfg.train.sample_prompts
+        if not count:
+            return None
+        if cfg.eval.generation_rows >= count:
+            table = {column: values[:count] for column, values in self.generations.items()}
+            return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
+        return generation_table(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
+                                cfg.train.sample_max_new_tokens, self.ctx.device)
 
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
         """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
         reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
-                                self.scheduler.state_dict(), self.state.initial_eval_loss, self.train_loss)
+                                self.scheduler.state_dict(), self.state.initial_eval_loss, self.train_loss,
+                                self.best.state(), self.stopped_early)
         t_save = time.perf_counter()
-        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position),
+        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,
+                                                            self.best_adapter),
                               {"step": step, "train_loss": self.train_loss, **(summary or {})})
         self.tracker.log_metrics({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
 
@@ -206,19 +254,21 @@ class FinetuneRecipe:
         tracking server never holds other ranks in a collective."""
         cfg, ctx = self.cfg, self.ctx
         if self.eval_loss is None:  # resumed from the final checkpoint: nothing trained in this attempt
-            self.eval_loss = self.evaluate()
-        samples = (sample_generations(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
-                                      cfg.train.sample_max_new_tokens, ctx.device)
-                   if cfg.train.sample_prompts else None)  # every rank decodes in lockstep
-        adapter_state = gather_trainable_state(self.model)
-        summary = {"steps": cfg.train.max_steps, "final_train_loss": self.train_loss,
+            self.evaluate()
+        samples = self.sample_table()  # every rank decodes in lockstep
+        last_weights = gather_trainable_state(self.model)
+        adapter_state = self.best_adapter if cfg.train.export == "best" and self.best_adapter else last_weights
+        summary = {"steps": self.step, "final_train_loss": self.train_loss,
                    "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
+                   **{f"final_{k}": v for k, v in self.eval_figures.items() if k not in eval_metrics(0.0)},
                    **self.meter.summary(), "time_to_first_step_seconds": self.time_to_first_step,
                    **self.startup.seconds,
                    "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
-                   "worker_seconds": time.perf_counter() - self.started}
+                   "worker_seconds": time.perf_counter() - self.started,
+                   "best_step": self.best.step, "best_value": self.best.value,
+                   "stopped_early": float(self.stopped_early)}
         if self.checkpoints:
-            self.save_checkpoint(cfg.train.max_steps, summary)
+            self.save_checkpoint(self.step, summary)
         if ctx.is_main and self.run_dir is not None:
             with tempfile.TemporaryDirectory(prefix="adapter-") as staged:
                 save_adapter(self.model, adapter_state, Path(staged), self.tokenizer, cfg.to_yaml())
@@ -228,8 +278,9 @@ class FinetuneRecipe:
             self.tracker.log_table(samples, "eval/sample_generations.json")
         # an attempt that trained no step (resumed to redo the export) has no throughput: nothing to overwrite
         # (the start-up points were logged at step 0; the summary carries them to the driver)
-        finite = {k: v for k, v in summary.items() if math.isfinite(v) and not k.startswith("startup_")}
-        self.tracker.log_metrics(finite, cfg.train.max_steps, once_per_step=False)
+        finite = {k: v for k, v in summary.items()
+                  if v is not None and math.isfinite(v) and not k.startswith("startup_")}
+        self.tracker.log_metrics(finite, self.step, once_per_step=False)
         return summary
 
 

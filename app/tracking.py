@@ -111,6 +111,16 @@ def finish_run(tracking_uri: str, run_id: str, status: str, run_dir: RunDir, att
     return False
 
 
+def set_tags(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
+    """Tags the driver knows after training (the best evaluation); a failure only warns."""
+    if not tags:
+        return
+    try:
+        MlflowClient(tracking_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    except Exception as e:
+        log.warning("MLflow: could not tag %s (%s)", ", ".join(tags), str(e).splitlines()[0][:200])
+
+
 def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]) -> None:
     """Figures the driver knows before training (data counts), at step 0; a failure only warns."""
     now = int(time.time() * 1000)

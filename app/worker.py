@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,9 +89,30 @@ def train_worker(launch: WorkerLaunch) -> None:
     for variable, value in launch.mlflow_credentials.items():
         os.environ.setdefault(variable, value)
     tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()
+    system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
                        cfg.run_dir, launch.job_start_time, launch.source_names).train()
     finally:
+        if system is not None:
+            system.finish()
         if ctx.is_main:
             tracker.close()
+
+
+def start_system_metrics(cfg: FinetuneConfig, run_id: str):
+    """MLflow's own system-metrics sampler for rank 0's node (a thread; it stops by itself, with a warning,
+    if the tracking server stops answering)."""
+    if not cfg.mlflow.system_metrics_seconds:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    try:
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.mlflow.system_metrics_seconds,
+                                       resume_logging=True, tracking_uri=cfg.mlflow.tracking_uri)
+    except Exception as e:  # a tracking server that is down costs the system figures, not the run
+        print(f"warning: MLflow system metrics are off for this attempt ({str(e).splitlines()[0][:200]})",
+              file=sys.stderr, flush=True)
+        return None
+    monitor.start()
+    return monitor

@@ -40,5 +40,6 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
     fault tests."""
     from app.launcher import run_finetune
 
-    cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference")
+    cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference",
+                      "mlflow.registered_model=reference-adapter")
     return cfg, run_finetune(cfg)

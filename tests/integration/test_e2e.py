@@ -4,6 +4,7 @@ Nothing is mocked; these tests train for real on CPU workers.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,12 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     saves = client.get_metric_history(run.info.run_id, "checkpoint_save_seconds")
     assert [m.step for m in saves] == [6, 12, 18, 24, 30]
     assert "eval_perplexity" in run.data.metrics
+    assert "system/cpu_utilization_percentage" in run.data.metrics  # MLflow's sampler, on rank 0's node
+    # the demo config scores greedy answers on its held-out numbers at every evaluation
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_exact_match")] == [0, 15, 30]
+    assert 0.0 <= summary["final_eval_exact_match"] <= 1.0
+    assert run.data.tags["best_metric"] == "eval_exact_match" and int(run.data.tags["best_step"]) in (0, 15, 30)
+    assert summary["best"]["step"] == int(run.data.tags["best_step"]) and not summary["stopped_early"]
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
             "adapter/finetune_config.yaml"} <= artifacts
@@ -79,6 +86,72 @@ def test_the_adapter_reloads_in_a_fresh_process_and_reproduces_the_eval_loss(ref
     reloaded = json.loads(out.stdout.strip().splitlines()[-1])["eval_loss"]
     assert reloaded == pytest.approx(summary["final_eval_loss"], rel=1e-3)
     assert reloaded < 0.5 * summary["initial_eval_loss"]
+
+
+MERGED_LOGITS_SCRIPT = """
+import sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+base_path, adapter_path, merged_path = sys.argv[1:4]
+ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+                                     adapter_path).eval()(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(merged_path).eval()(input_ids=ids).logits
+assert merged.dtype == torch.float32
+print((merged - peft).abs().max().item())
+"""
+
+
+def test_the_run_exports_as_a_merged_model_with_the_logits_of_base_plus_adapter(reference_run, embedded, tmp_path):
+    cfg, summary = reference_run
+    export = [sys.executable, "-m", "jobs.export", "--run", "reference", "--set",
+              f"train.output_dir={cfg.train.output_dir}"]
+    merged = json.loads(subprocess.run([*export, "--merge", "--dtype", "float32", "--out", str(tmp_path / "merged")],
+                                       capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert merged["kind"] == "merged" and merged["merged"] > 0
+    out = subprocess.run([sys.executable, "-c", MERGED_LOGITS_SCRIPT, str(embedded["model"]),
+                          summary["adapter_path"], merged["out"]], capture_output=True, text=True, check=True)
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-4
+    adapter = json.loads(subprocess.run([*export, "--out", str(tmp_path / "adapter")], capture_output=True,
+                                        text=True, check=True).stdout.splitlines()[-1])
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists() and adapter["kind"] == "adapter"
+    again = subprocess.run([*export, "--out", str(tmp_path / "adapter")], capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+PYFUNC_SCRIPT = """
+import json, sys, mlflow, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model_uri, base_path, adapter_path = sys.argv[1:4]
+answers = mlflow.pyfunc.load_model(model_uri).predict(["Write 347 in words.", "Write 12 in words."])
+tokenizer = AutoTokenizer.from_pretrained(adapter_path)
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter_path)
+ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write 347 in words."}], add_generation_prompt=True,
+                                    tokenize=True, return_tensors="pt")["input_ids"]
+direct = model.eval().generate(input_ids=ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+print(json.dumps({"answers": answers, "direct": tokenizer.decode(direct[0, ids.shape[1]:], skip_special_tokens=True)}))
+"""
+
+
+def test_the_registered_version_loads_through_pyfunc_and_answers_like_base_plus_adapter(reference_run, embedded,
+                                                                                        tmp_path):
+    """In a fresh process and working directory, with only the tracking URI and the base model at hand."""
+    cfg, summary = reference_run
+    assert summary["registered_model"] == "reference-adapter"
+    client = MlflowClient(summary["tracking_uri"])
+    version = client.get_model_version("reference-adapter", summary["version"])
+    assert version.tags["run_id"] == summary["mlflow_run_id"] and version.tags["base_model"] == cfg.model.path
+    assert float(version.tags["final_eval_loss"]) == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert len(version.tags["base_model_sha256"]) == 64
+    out = subprocess.run([sys.executable, "-c", PYFUNC_SCRIPT, "models:/reference-adapter/" + summary["version"],
+                          str(embedded["model"]), summary["adapter_path"]], capture_output=True, text=True,
+                         check=True, cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"]})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["answers"]) == 2 and result["answers"][0] == result["direct"] != ""
 
 
 def _loss_curve(summary) -> list[float]:

@@ -2,7 +2,8 @@
 
 It learns, and a run restored from its step-4 checkpoint takes the same steps 5-8 as the
 uninterrupted run: the checkpoint holds everything a step depends on (LoRA weights, AdamW state, LR
-schedule, data position).
+schedule, data position). Early stopping ends a run whose eval gets worse, restored or not, and the
+exported adapter is the best evaluation's.
 """
 
 import json
@@ -63,8 +64,8 @@ def _batches(rows: dict, rank: int, world: int, micro: int) -> list[dict]:
     return [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, len(mine["length"]), micro)]
 
 
-def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
-    cfg = make_config(Path(out), embedded, *STEPS)
+def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: str):
+    cfg = make_config(Path(out), embedded, *overrides)
     tokenizer = load_tokenizer(cfg.model)
     read = lambda path, n: [json.loads(line) for line in Path(path).read_text().splitlines()[:n]]  # noqa: E731
     train_rows = tokenize_rows(read(cfg.data.train_path, 64), tokenizer, "auto", cfg.data.max_seq_len)
@@ -72,7 +73,12 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
     ctx = RankContext(rank, world, torch.device("cpu"))
     train_pass = lambda epoch: _batches(train_rows, rank, world, cfg.train.micro_batch_size)  # noqa: E731
     eval_pass = lambda: _batches(eval_rows, 0, 1, cfg.train.micro_batch_size)  # noqa: E731
+    return cfg, ctx, train_pass, eval_pass
 
+
+def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: str) -> None:
+    """The whole run, then the same run restored from its step-4 checkpoint."""
+    cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
     results = {}
     for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step4")):
         tracker = RecordingTracker()
@@ -85,7 +91,7 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
 
 
 def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp_path):
-    run_ranks(_train_twice, 2, embedded, str(tmp_path))
+    run_ranks(_train_twice, 2, embedded, str(tmp_path), *STEPS)
     results = json.loads((tmp_path / "results.json").read_text())
     whole, restored = results["whole"], results["restored"]
     loss = {int(step): m["train_loss"] for step, m in whole["metrics"].items() if "train_loss" in m}
@@ -106,3 +112,42 @@ def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp
     # the embedded config's `auto` dtypes resolve by this machine's hardware, and the choice is logged
     expected = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
     assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected}
+
+
+EARLY_STOP = ["train.max_steps=16", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=2",
+              "train.warmup_steps=0", "train.global_batch_size=16", "train.micro_batch_size=4",
+              "train.learning_rate=0.3", "train.lr_schedule=constant", "train.early_stopping_patience=2",
+              "train.export=best", "eval.generation_rows=6", "eval.max_new_tokens=4",
+              "eval.metrics=[exact_match, contains]",
+              "model.dtype=float32", "fsdp.param_dtype=float32"]  # the reload below computes in fp32 too
+
+
+def test_early_stopping_ends_a_run_whose_eval_worsens_and_exports_the_best_evaluation(embedded, tmp_path):
+    """A learning rate far too high: the eval loss soon climbs. The run stops two evaluations after its
+    best, restored from step 4 or not, and its adapter, reloaded in plain PEFT, scores the best eval loss."""
+    from peft import PeftModel
+
+    from app.loss import summed_token_loss, target_token_count
+    from app.model import load_base_model
+
+    run_ranks(_train_twice, 2, embedded, str(tmp_path), *EARLY_STOP)
+    results = json.loads((tmp_path / "results.json").read_text())
+    whole, restored = results["whole"], results["restored"]
+    summary = whole["summary"]
+    assert summary["stopped_early"] == 1.0 and summary["steps"] < 16
+    assert summary["steps"] == summary["best_step"] + 2 * 2  # patience 2, an evaluation every 2 steps
+    for key in ("steps", "best_step", "stopped_early"):
+        assert restored["summary"][key] == summary[key], key
+    assert restored["summary"]["best_value"] == pytest.approx(summary["best_value"], rel=1e-6)
+    evaluated = {int(step): m for step, m in whole["metrics"].items() if "eval_loss" in m}
+    assert sorted(evaluated) == list(range(0, summary["steps"] + 1, 2))
+    assert summary["best_value"] == min(m["eval_loss"] for m in evaluated.values())
+    assert all(0.0 <= m["eval_exact_match"] <= m["eval_contains"] <= 1.0 for m in evaluated.values())
+
+    cfg, ctx, _, eval_pass = _rank_inputs(0, 1, embedded, str(tmp_path), *EARLY_STOP)
+    for name in ("whole", "restored"):
+        model = PeftModel.from_pretrained(load_base_model(cfg.model), tmp_path / name / "adapter").eval()
+        with torch.no_grad():
+            total = sum(summed_token_loss(model, b).item() for b in eval_pass())
+        tokens = sum(target_token_count(b["labels"]).item() for b in eval_pass())
+        assert total / tokens == pytest.approx(summary["best_value"], rel=1e-4), name

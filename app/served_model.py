@@ -41,7 +41,12 @@ class AdapterModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None) -> list[str]:
         import torch
 
-        prompts = model_input["prompt"].tolist() if hasattr(model_input, "columns") else list(model_input)
+        # a list of strings, or a DataFrame (MLflow's schema enforcement, a `prompt` column from serving)
+        if hasattr(model_input, "columns"):
+            column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+            prompts = model_input[column].tolist()
+        else:
+            prompts = [model_input] if isinstance(model_input, str) else list(model_input)
         max_new_tokens = int((params or {}).get("max_new_tokens", self.max_new_tokens))
         answers = []
         for prompt in prompts:

@@ -108,7 +108,8 @@ def test_the_stack_made_its_own_token_readable_by_its_user_only(stack):
 
 def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, tmp_path):
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides(*QUICK, "train.run_name=jobs-api-demo"), "--follow")
+                           *with_overrides(*QUICK, "train.run_name=jobs-api-demo",
+                                           "mlflow.registered_model=jobs-api-demo"), "--follow")
     logs = submitted.stdout + submitted.stderr
     assert submitted.returncode == 0, logs[-3000:]
     summary = json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
@@ -122,6 +123,9 @@ def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, t
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.info.run_name == "jobs-api-demo"
     assert run.data.tags["ray.job_submission_id"] == "jobs-api-demo"
+    # registered on the tracking server, the version tagged with its run
+    [version] = client.search_model_versions("name='jobs-api-demo'")
+    assert version.run_id == run.info.run_id == version.tags["run_id"] and summary["version"] == version.version
     assert run.data.tags["base_model"] == str(stack["dir"] / ".cache" / "embedded" / "model")
     assert len(run.data.tags.get("mlflow.source.git.commit", "")) == 40
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))

@@ -129,7 +129,8 @@ class FinetuneRecipe:
             self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **self.state.best)
             self.scheduler.load_state_dict(self.state.scheduler)
             self.eval_loss = None  # nothing evaluated in this attempt yet
-            self.tracker.log_metrics({"resumed_from_step": restored.step}, step=restored.step, once_per_step=False)
+            self.tracker.log_metrics({"resumed_from_step": self.state.step}, step=self.state.step,
+                                     once_per_step=False)
         self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
                                    self.state.rows_into_epoch // ctx.world_size)
         self.train_loss, self.step = self.state.train_loss, self.state.step

@@ -8,8 +8,7 @@ server. Generation is transformers' `generate` (greedy unless `temperature` > 0)
 runs; GPU clusters serve the same registered adapters with vLLM (cluster/serve-llm.yaml).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the request model from the live annotations
 import threading
 import time
 import uuid

@@ -94,10 +94,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 base_path, adapter_path, merged_path = sys.argv[1:4]
-ids = torch.randint(0, 400, (2, 20), generator=torch.Generator().manual_seed(0))
+base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+ids = torch.randint(0, base.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
-                                     adapter_path).eval()(input_ids=ids).logits
+    peft = PeftModel.from_pretrained(base, adapter_path).eval()(input_ids=ids).logits
     merged = AutoModelForCausalLM.from_pretrained(merged_path).eval()(input_ids=ids).logits
 assert merged.dtype == torch.float32
 print((merged - peft).abs().max().item())

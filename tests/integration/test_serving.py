@@ -57,7 +57,7 @@ def served(reference_run, embedded, tmp_path):
             try:
                 if requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).ok:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or the proxy up before the app
                 pass
             time.sleep(2)
         else:

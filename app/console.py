@@ -26,7 +26,7 @@ RAY_NOISE = re.compile("|".join([
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))
 WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                    "MLFLOW_LOGGING_LEVEL": "WARNING"}
+                    "MLFLOW_LOGGING_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 QUIET_LOGGERS = {  # driver loggers and the level below which they are hidden

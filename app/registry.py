@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+import warnings
 from pathlib import Path
 
 from app.config import FinetuneConfig
@@ -61,19 +62,20 @@ def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
     """Log the adapter as the run's MLflow Model "model" and register it when `mlflow.registered_model`
     is set. Returns {"model_uri", and "registered_model", "version" when registered}."""
     import mlflow
-    from mlflow.models import infer_signature
     from mlflow.tracking import MlflowClient
 
     base = base_model_record(cfg)
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     with tempfile.TemporaryDirectory(prefix="adapter-") as staging:
         adapter = _adapter_folder(cfg.run_dir, Path(staging))
-        with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+        with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
+            # an input example would make MLflow load the base model here to try it: none is given
+            warnings.filterwarnings("ignore", message=".*input example was not provided")
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=str(SERVED_MODEL), artifacts={"adapter": str(adapter)},
                 model_config={**base, "max_new_tokens": cfg.eval.max_new_tokens},
-                signature=infer_signature(["a prompt"], ["an answer"]), pip_requirements=_pinned_requirements(),
-                registered_model_name=cfg.mlflow.registered_model, metadata=base)
+                pip_requirements=_pinned_requirements(), registered_model_name=cfg.mlflow.registered_model,
+                metadata=base)
     result = {"model_uri": info.model_uri}
     if cfg.mlflow.registered_model:
         client = MlflowClient(cfg.mlflow.tracking_uri)

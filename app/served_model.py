@@ -6,8 +6,6 @@ that loads `models:/NAME/VERSION` needs mlflow, torch, transformers and peft, an
 hub id at the recorded revision, or the recorded local path; `FINETUNE_BASE_MODEL` overrides where it is).
 """
 
-from __future__ import annotations
-
 import os
 
 import mlflow.models
@@ -38,15 +36,11 @@ class AdapterModel(mlflow.pyfunc.PythonModel):
                                                       add_generation_prompt=True, tokenize=True)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
-    def predict(self, context, model_input, params=None) -> list[str]:
+    def predict(self, context, model_input: list[str], params: dict | None = None) -> list[str]:
+        """The type hints are the model's signature: MLflow hands a list of prompt strings."""
         import torch
 
-        # a list of strings, or a DataFrame (MLflow's schema enforcement, a `prompt` column from serving)
-        if hasattr(model_input, "columns"):
-            column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-            prompts = model_input[column].tolist()
-        else:
-            prompts = [model_input] if isinstance(model_input, str) else list(model_input)
+        prompts = [model_input] if isinstance(model_input, str) else list(model_input)
         max_new_tokens = int((params or {}).get("max_new_tokens", self.max_new_tokens))
         answers = []
         for prompt in prompts:

@@ -118,7 +118,8 @@ def run(args) -> dict:
     common = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
               f"data.max_seq_len={args.seq_len}", "train.learning_rate=2e-4", "train.lr_schedule=constant",
               "train.warmup_steps=0", "train.log_every=1", "train.sample_prompts=0", "data.max_eval_rows=16",
-              "fsdp.reshard_after_forward=true"]  # FSDP's default, the seed's and TRL's: memory compares
+              "fsdp.reshard_after_forward=true",  # FSDP's default, the seed's and TRL's: memory compares
+              "eval.generation_rows=0", "train.best_metric=eval_loss"]  # no task metric on random weights
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # (a) runs half as many steps again, evaluating after each (a constant rate: its first steps are the
     # same), so its eval loss can be read at the target tokens the others reached

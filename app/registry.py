@@ -9,7 +9,6 @@ run id, the base model and the run's eval figures as tags.
 from __future__ import annotations
 
 import hashlib
-import logging
 import tempfile
 import warnings
 from pathlib import Path
@@ -17,7 +16,6 @@ from pathlib import Path
 from app.config import FinetuneConfig
 from app.layout import RunDir
 
-log = logging.getLogger(__name__)
 SERVED_MODEL = Path(__file__).with_name("served_model.py")
 REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
 

@@ -9,12 +9,10 @@ run id, the base model and the run's eval figures as tags.
 from __future__ import annotations
 
 import hashlib
-import tempfile
 import warnings
 from pathlib import Path
 
 from app.config import FinetuneConfig
-from app.layout import RunDir
 
 SERVED_MODEL = Path(__file__).with_name("served_model.py")
 REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
@@ -46,16 +44,6 @@ def _pinned_requirements() -> list[str]:
     return [f"{name}=={version(name)}" for name in REQUIREMENTS]
 
 
-def _adapter_folder(run_dir: RunDir, staging: Path) -> Path:
-    if run_dir.is_local:
-        return Path(run_dir.adapter)
-    import pyarrow.fs as pafs
-
-    filesystem, where = run_dir.fs
-    pafs.copy_files(f"{where.rstrip('/')}/adapter", str(staging / "adapter"), source_filesystem=filesystem)
-    return staging / "adapter"
-
-
 def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str] | None:
     """Log the adapter as the run's MLflow Model "model" and register it when `mlflow.registered_model`
     is set. Returns {"model_uri", and "registered_model", "version" when registered}."""
@@ -64,16 +52,15 @@ def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
 
     base = base_model_record(cfg)
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    with tempfile.TemporaryDirectory(prefix="adapter-") as staging:
-        adapter = _adapter_folder(cfg.run_dir, Path(staging))
-        with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
-            # an input example would make MLflow load the base model here to try it: none is given
-            warnings.filterwarnings("ignore", message=".*input example was not provided")
-            info = mlflow.pyfunc.log_model(
-                name="model", python_model=str(SERVED_MODEL), artifacts={"adapter": str(adapter)},
-                model_config={**base, "max_new_tokens": cfg.eval.max_new_tokens},
-                pip_requirements=_pinned_requirements(), registered_model_name=cfg.mlflow.registered_model,
-                metadata=base)
+    adapter, _download = cfg.run_dir.local_copy("adapter")  # the download lives as long as this call
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
+        # an input example would make MLflow load the base model here to try it: none is given
+        warnings.filterwarnings("ignore", message=".*input example was not provided")
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=str(SERVED_MODEL), artifacts={"adapter": str(adapter)},
+            model_config={**base, "max_new_tokens": cfg.eval.max_new_tokens},
+            pip_requirements=_pinned_requirements(), registered_model_name=cfg.mlflow.registered_model,
+            metadata=base)
     result = {"model_uri": info.model_uri}
     if cfg.mlflow.registered_model:
         client = MlflowClient(cfg.mlflow.tracking_uri)

@@ -18,7 +18,6 @@ import json
 import resource
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from app.config import load_config
@@ -37,20 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default="jobs/configs/embedded.yaml", help="the config the run was started with")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser.parse_args(argv)
-
-
-def local_adapter(run_dir, staging: Path) -> Path:
-    """The run's finished adapter as a local folder (copied down from an object store)."""
-    if not run_dir.adapter_complete():
-        raise UserInputError(f"{run_dir.adapter}: no complete adapter; the run has not finished "
-                             f"(`python -m jobs.finetune ... --resume {run_dir.name}` completes it)")
-    if run_dir.is_local:
-        return Path(run_dir.adapter)
-    import pyarrow.fs as pafs
-
-    filesystem, where = run_dir.fs
-    pafs.copy_files(f"{where.rstrip('/')}/adapter", str(staging / "adapter"), source_filesystem=filesystem)
-    return staging / "adapter"
 
 
 def base_model_dir(adapter: Path, base: str | None) -> Path:
@@ -74,17 +59,21 @@ def export(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run}"])
     if args.out.exists():
         raise UserInputError(f"--out {args.out}: already exists; name a new directory (nothing is overwritten)")
-    with tempfile.TemporaryDirectory(prefix="export-") as staging:
-        adapter = local_adapter(cfg.run_dir, Path(staging))
-        if not args.merge:
-            shutil.copytree(adapter, args.out, ignore=shutil.ignore_patterns("COMPLETE"))
-            return {"out": str(args.out), "kind": "adapter"}
-        import torch
+    run_dir = cfg.run_dir
+    if not run_dir.adapter_complete():
+        raise UserInputError(f"{run_dir.adapter}: no complete adapter; the run has not finished "
+                             f"(`python -m jobs.finetune ... --resume {run_dir.name}` completes it)")
+    local, _download = run_dir.local_copy("adapter")  # a copy only for a run on an object store
+    adapter = Path(local)
+    if not args.merge:
+        shutil.copytree(adapter, args.out, ignore=shutil.ignore_patterns("COMPLETE"))
+        return {"out": str(args.out), "kind": "adapter"}
+    import torch
 
-        from app.merge import write_merged
+    from app.merge import write_merged
 
-        base = base_model_dir(adapter, args.base)
-        written = write_merged(base, adapter, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
+    base = base_model_dir(adapter, args.base)
+    written = write_merged(base, adapter, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"out": str(args.out), "kind": "merged", "base": str(base), "dtype": args.dtype, **written,
             "peak_rss_gb": round(peak, 3)}

@@ -35,10 +35,10 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m app.config_reference --check
+	$(BIN)/python -m app.config.reference --check
 
 docs: setup
-	$(BIN)/python -m app.config_reference
+	$(BIN)/python -m app.config.reference
 
 # Caches only; runs (checkpoints, adapters, the MLflow store under outputs/) are kept.
 clean:

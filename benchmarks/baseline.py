@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from app.progress import peak_memory_gb, resident_memory_gb
-from app.sharding import init_torchrun_process_group
+from app.model.sharding import init_torchrun_process_group
+from app.train.progress import peak_memory_gb, resident_memory_gb
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def pretokenized(path: str, tokenizer, seq_len: int, rank: int, world: int) -> dict[str, torch.Tensor]:
-    from app.formatting import tokenize_rows
+    from app.data.formatting import tokenize_rows
 
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]

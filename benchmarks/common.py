@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.config import FinetuneConfig
+    from app.config.schema import FinetuneConfig
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 SHAPES = Path(__file__).resolve().parent / "shapes"
@@ -75,8 +75,8 @@ def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from app.config import load_config
-    from app.tracking import get_or_create_experiment
+    from app.config.schema import load_config
+    from app.tracking.mlflow_run import get_or_create_experiment
 
     project = load_config(None)
     if project.output.is_local:

@@ -4,7 +4,7 @@
 
 Builds (once) a random-weight base of the shape, saved as bf16 safetensors shards of --shard-mb, and a
 LoRA adapter with random A and B (r 16, all linear layers). Then, each in a fresh process: (s) the
-streamed merge (app/merge.py, what `python -m jobs.export --merge` runs) and (m) what users write
+streamed merge (app/model/merge.py, what `python -m jobs.export --merge` runs) and (m) what users write
 otherwise: load the base, `PeftModel.from_pretrained`, `merge_and_unload`, `save_pretrained`. Figures:
 peak private (anonymous) resident memory of each process, sampled from /proc (Linux), and its peak
 resident set including the page cache of the memory-mapped files it reads; the base's size and largest
@@ -35,7 +35,7 @@ threading.Thread(target=_sample_anon, daemon=True).start()
 STREAMED = """
 import json, resource, sys, time, torch""" + ANON_PEAK + """
 from pathlib import Path
-from app.merge import write_merged
+from app.model.merge import write_merged
 t = time.perf_counter()
 written = write_merged(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), torch.bfloat16, int(sys.argv[4]))
 print(json.dumps({**written, "seconds": time.perf_counter() - t, "peak_anon_rss_gb": anon_peak[0],

@@ -39,7 +39,7 @@ MODES = {"a_packed": "(a) job, packed", "a_prime_unpacked": "(a') job, one recor
 def long_tailed_chats(count: int, seed: int) -> list[dict]:
     """Chats that spell out a list of numbers; the list length is log-normal, so most records are short
     and a few run to ~1,000 tokens."""
-    from app.embedded import number_in_words
+    from app.model.embedded import number_in_words
 
     rng = np.random.default_rng(seed)
     records = []
@@ -55,8 +55,8 @@ def prepare(out: Path, records: int) -> tuple[Path, Path, Path]:
     """The random-weight model (with the embedded tokenizer) and the train and eval files, built once."""
     from transformers import AutoTokenizer
 
-    from app.config import load_config
-    from app.embedded import ensure_embedded
+    from app.config.schema import load_config
+    from app.model.embedded import ensure_embedded
 
     cfg = load_config("jobs/configs/embedded.yaml")
     ensure_embedded(cfg)
@@ -73,8 +73,8 @@ def tokens_per_row(model: Path, train: Path, seq_len: int, open_rows: int) -> di
     """Real tokens per training row, packed and not (what makes the two jobs' steps differ)."""
     from transformers import AutoTokenizer
 
-    from app.formatting import tokenize_rows
-    from app.packing import first_fit
+    from app.data.formatting import tokenize_rows
+    from app.data.packing import first_fit
 
     records = [json.loads(line) for line in train.read_text().splitlines()]
     lengths = tokenize_rows(records, AutoTokenizer.from_pretrained(model), "auto", seq_len)["length"]
@@ -109,7 +109,7 @@ def eval_loss_at(curve: dict, target_tokens_per_step: list[float], target_tokens
 
 
 def run(args) -> dict:
-    from app.hardware import has_fast_bf16
+    from app.model.hardware import has_fast_bf16
 
     out = Path(args.out)
     model, train, evals = prepare(out, args.records)

@@ -5,9 +5,10 @@
 
 Needs only torch, transformers and peft (no Ray, MLflow, datasets or pydantic): it runs on a bare GPU
 box. The model is built from a config with random weights (no download) on the meta device, or
-loaded from --model-path, by the same loader and sharding as the job (app.loading, app.sharding), and
-trains LoRA with the job's loss. Prints one JSON line (rank 0): steady tokens/s per worker (warm-up
-steps excluded), time to first step, peak memory, MFU where the device's peak FLOP rate is known.
+loaded from --model-path, by the same loader and sharding as the job (app.model.sharded_loading,
+app.model.sharding), and trains LoRA with the job's loss. Prints one JSON line (rank 0): steady
+tokens/s per worker (warm-up steps excluded), time to first step, peak memory, MFU where the device's
+peak FLOP rate is known.
 With --steps 0 it only loads, and reports host memory before and while loading (max over workers).
 """
 
@@ -24,11 +25,16 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from app.hardware import has_fast_bf16, resolve_dtype
-from app.loading import allocate_local_shards, build_meta_lora_model, build_sharded_lora_model, local_region
-from app.loss import scaled_micro_batch_loss
-from app.progress import peak_memory_gb
-from app.sharding import build_device_mesh, init_torchrun_process_group, shard_model, trainable_parameters
+from app.model.hardware import has_fast_bf16, resolve_dtype
+from app.model.sharded_loading import (
+    allocate_local_shards,
+    build_meta_lora_model,
+    build_sharded_lora_model,
+    local_region,
+)
+from app.model.sharding import build_device_mesh, init_torchrun_process_group, shard_model, trainable_parameters
+from app.train.loss import scaled_micro_batch_loss
+from app.train.progress import peak_memory_gb
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, per GPU
 

@@ -7,10 +7,10 @@ What a TRL user writes: chats as prompt/completion conversations (loss on the co
 tokenization and packing (best-fit decreasing, padding-free with position ids), `fsdp_config` version 2
 wrapping each decoder layer (transformers -> accelerate -> `fully_shard`), the same LoRA (r, alpha,
 all-linear), AdamW, learning rate, constant schedule and gradient clipping as the job's benchmark runs.
-bf16 mixed precision where the hardware has bf16 units (app/hardware.py's test), fp32 otherwise, like
+bf16 mixed precision where the hardware has bf16 units (app/model/hardware.py's test), fp32 otherwise, like
 the job's `auto`. Needs the `bench` extra (`pip install -e .[bench]`: trl).
 
-The eval loss is measured the way the job measures it (app/formatting.py's rows, mean over every target
+The eval loss is measured the way the job measures it (app/data/formatting.py's rows, mean over every target
 token of the eval rows), before and after training, so (p)'s figure compares with (a)'s. Prints one JSON
 line (rank 0).
 """
@@ -121,9 +121,9 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from app.formatting import tokenize_rows
-    from app.hardware import has_fast_bf16
-    from app.progress import peak_memory_gb
+    from app.data.formatting import tokenize_rows
+    from app.model.hardware import has_fast_bf16
+    from app.train.progress import peak_memory_gb
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from app.embedded import build_embedded
+from app.model.embedded import build_embedded
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 The run directory is found the way the job found it (train.output_dir of the config, `$FINETUNE_STORAGE`
 in a job). Without --merge, DIR receives the adapter as it is (`PeftModel.from_pretrained(base, DIR)`).
 With --merge, DIR is a Hugging Face model directory (safetensors shards, config, tokenizer) that plain
-`AutoModelForCausalLM.from_pretrained(DIR)` loads, written shard by shard (app/merge.py). The base is
+`AutoModelForCausalLM.from_pretrained(DIR)` loads, written shard by shard (app/model/merge.py). The base is
 the one the run trained (its recorded model.path and revision) unless --base names a local copy.
 DIR must not exist. Prints one JSON line.
 """
@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from app.config import load_config
+from app.config.schema import load_config
 from app.errors import UserInputError
 
 
@@ -70,7 +70,7 @@ def export(args: argparse.Namespace) -> dict:
         return {"out": str(args.out), "kind": "adapter"}
     import torch
 
-    from app.merge import write_merged
+    from app.model.merge import write_merged
 
     base = base_model_dir(adapter, args.base)
     written = write_merged(base, adapter, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))

@@ -15,9 +15,9 @@ import os
 import signal
 import sys
 
-from app.config import load_config
-from app.console import quiet_driver_logging
+from app.config.schema import load_config
 from app.errors import UserInputError
+from app.launch.console import quiet_driver_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if not args.verbose:
             quiet_driver_logging()
-        from app.launcher import run_finetune  # imports Ray: only after the config is known good
+        from app.launch.driver import run_finetune  # imports Ray: only after the config is known good
 
         if os.environ.get("HF_TOKEN"):
             print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)

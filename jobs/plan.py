@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from app.config import load_config
+from app.config.schema import load_config
 from app.errors import UserInputError
 
 
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from app.memory_plan import format_plan, plan_memory
-        from app.model import check_model_source
+        from app.model.build import check_model_source
+        from app.model.memory_plan import format_plan, plan_memory
 
         if not args.model_config:
             check_model_source(cfg.model)

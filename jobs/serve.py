@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from app.launcher import joins_a_cluster
-    from app.serving import ChatCompletions
+    from app.launch.driver import joins_a_cluster
+    from app.serve.server import ChatCompletions
 
     ray.init(**({} if joins_a_cluster() else {"address": "local", "include_dashboard": False}))
     serve.start(http_options={"host": args.host, "port": args.port})

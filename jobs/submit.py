@@ -25,11 +25,11 @@ from pathlib import Path
 
 import yaml
 
-from app.config import load_config
+from app.config.paths import export_credentials
+from app.config.schema import load_config
 from app.errors import UserInputError
-from app.paths import export_credentials
-from app.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
-from app.tracking import get_or_create_experiment, git_commit, reconcile_runs
+from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
+from app.tracking.mlflow_run import get_or_create_experiment, git_commit, reconcile_runs
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from app.config import load_config
+from app.config.schema import load_config
 from app.errors import UserInputError
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run_name}"])
-        from app.sync import sync_run
+        from app.tracking.journal import sync_run
 
         sent = sync_run(cfg.run_dir, cfg.mlflow.tracking_uri)
     except UserInputError as e:

@@ -15,7 +15,7 @@ def embedded() -> dict[str, Path]:
     """The embedded model and data, built by the same code as `make embedded` (reused if present)."""
     root = REPO / ".cache" / "embedded"
     if not (root / "model" / "config.json").exists():
-        from app.embedded import build_embedded
+        from app.model.embedded import build_embedded
 
         build_embedded(root)
     return {"model": root / "model", "train": root / "data" / "train.jsonl", "eval": root / "data" / "eval.jsonl"}
@@ -38,7 +38,7 @@ def ray_cluster():
 def reference_run(ray_cluster, embedded, tmp_path_factory):
     """One uninterrupted 2-worker run of SHORT_RUN: checked by the e2e tests, compared against by the
     fault tests."""
-    from app.launcher import run_finetune
+    from app.launch.driver import run_finetune
 
     cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference",
                       "mlflow.registered_model=reference-adapter")

@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from app.config import FinetuneConfig, load_config
+from app.config.schema import FinetuneConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"

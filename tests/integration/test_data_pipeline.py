@@ -11,12 +11,12 @@ import pytest
 import ray
 import torch
 
-from app.data import build_train_data, is_held_out, shard_batches, start_pass_coordinator
-from app.datasource import check_source, resolve_source
-from app.embedded import number_in_words
-from app.formatting import IGNORE_INDEX
-from app.passes import pass_order, take_rows
-from app.stream import ShardStream
+from app.data.formatting import IGNORE_INDEX
+from app.data.passes import pass_order, take_rows
+from app.data.pipeline import build_train_data, is_held_out, shard_batches, start_pass_coordinator
+from app.data.sources import check_source, resolve_source
+from app.data.stream import ShardStream
+from app.model.embedded import number_in_words
 from tests.helpers import chat, make_config, write_jsonl
 
 
@@ -43,7 +43,7 @@ def _numbered(count: int, start: int = 0) -> list[dict]:
 
 def _train_data(cfg, *paths, eval_fraction=None, tokenizer=None):
     """Small test data: tokenized in the driver, unless a test sends it through the tokenizer actors."""
-    from app.model import load_tokenizer
+    from app.model.build import load_tokenizer
 
     sources = [resolve_source(str(p)) for p in paths]
     return build_train_data(sources, [check_source(s, "auto") for s in sources], tokenizer or load_tokenizer(cfg.model),

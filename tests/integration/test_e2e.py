@@ -12,11 +12,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
-from app.config import load_config
+from app.config.schema import load_config
+from app.data.formatting import tokenize_rows
+from app.data.packing import first_fit
 from app.errors import UserInputError
-from app.formatting import tokenize_rows
-from app.launcher import run_finetune
-from app.packing import first_fit
+from app.launch.driver import run_finetune
 from tests.helpers import make_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +25,8 @@ RELOAD_SCRIPT = """
 import json, sys, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from app.formatting import tokenize_rows
-from app.loss import summed_token_loss, target_token_count
+from app.data.formatting import tokenize_rows
+from app.train.loss import summed_token_loss, target_token_count
 
 base_path, adapter_path, eval_path = sys.argv[1:4]
 tokenizer = AutoTokenizer.from_pretrained(adapter_path)

@@ -14,8 +14,8 @@ import ray.train
 from mlflow.tracking import MlflowClient
 from ray._private import ray_constants
 
-from app.launcher import run_finetune
-from app.worker import FAULT_ENV
+from app.launch.driver import run_finetune
+from app.launch.worker import FAULT_ENV
 from tests.helpers import SHORT_RUN, make_config
 
 pytestmark = pytest.mark.e2e

@@ -8,9 +8,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from app.launcher import run_finetune
-from app.loss import summed_token_loss, target_token_count
-from app.model import load_tokenizer
+from app.launch.driver import run_finetune
+from app.model.build import load_tokenizer
+from app.train.loss import summed_token_loss, target_token_count
 from tests.helpers import make_config, tiny_checkpoint, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -23,8 +23,8 @@ def _reloaded_eval_loss(model_path, adapter_path, eval_path, max_seq_len: int) -
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from app.config import ModelSection
-    from app.formatting import tokenize_rows
+    from app.config.schema import ModelSection
+    from app.data.formatting import tokenize_rows
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
                                       adapter_path).eval()

@@ -19,7 +19,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from app.launcher import run_finetune
+from app.launch.driver import run_finetune
 from tests.helpers import EMBEDDED_CONFIG, REPO, free_port, make_config
 
 pytestmark = pytest.mark.e2e

@@ -15,10 +15,10 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from app import tracking
-from app.datasource import resolve_source
-from app.layout import RunDir
-from app.run_logger import JOURNAL, RunLogger
+from app.data.sources import resolve_source
+from app.runs.layout import RunDir
+from app.tracking import mlflow_run as tracking
+from app.tracking.logger import JOURNAL, RunLogger
 from tests.helpers import free_port, make_config
 
 

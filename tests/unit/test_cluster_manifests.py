@@ -14,7 +14,7 @@ import pytest
 import tomllib
 import yaml
 
-from app.config import load_config
+from app.config.schema import load_config
 from tests.helpers import REPO
 
 CLUSTER = REPO / "cluster"

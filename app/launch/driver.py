@@ -1,0 +1,228 @@
+"""The driver side of a run: check inputs, join or start Ray, build the datasets and the TorchTrainer.
+
+Order matters: everything a user can get wrong is checked before Ray starts, so a typo costs a
+second, not a cluster start.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import ray
+import ray.train
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from app.config.paths import in_ray_job
+from app.config.schema import FinetuneConfig
+from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records, start_passes
+from app.errors import UserInputError
+from app.launch import console
+from app.launch.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
+from app.launch.worker import FAULT_ENV, WorkerLaunch, train_worker
+from app.model.embedded import ensure_embedded
+from app.model.sharding import process_group_backend
+from app.runs.claim import claimed_run
+from app.tracking import mlflow_run as tracking
+from app.train.progress import StartupClock
+
+
+def joins_a_cluster() -> bool:
+    """True under `ray job submit` or with RAY_ADDRESS set: then we join that cluster."""
+    return bool(os.environ.get("RAY_ADDRESS")) or in_ray_job()
+
+
+def init_ray(verbose: bool = False) -> None:
+    """Join the running cluster, or start a local, single-process-tree one sized to this machine.
+
+    The local cluster declares two logical CPUs more than the cores it runs on: the training
+    workers hold one each, and Ray Data's read and tokenize tasks need room beside them.
+    """
+    if ray.is_initialized():
+        return
+    level = console.ray_logging_level(verbose)
+    if joins_a_cluster():
+        ray.init(logging_level=level)
+    else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level)
+    if not verbose:
+        console.filter_worker_output()
+
+
+def check_placement(cfg: FinetuneConfig) -> None:
+    """The cluster must hold every worker at once (gang scheduling); say so before waiting forever."""
+    have = ray.cluster_resources()
+    need_cpu = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if need_cpu > have.get("CPU", 0):
+        raise UserInputError(
+            f"scaling.num_workers={cfg.scaling.num_workers} needs {need_cpu:g} CPUs "
+            f"({cfg.scaling.cpus_per_worker:g} per worker) but the cluster has {have.get('CPU', 0):g}; "
+            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+    if cfg.scaling.use_gpu and cfg.scaling.num_workers > have.get("GPU", 0):
+        raise UserInputError(
+            f"scaling.num_workers={cfg.scaling.num_workers} with scaling.use_gpu=true needs "
+            f"{cfg.scaling.num_workers} GPUs but the cluster has {have.get('GPU', 0):g}; "
+            "lower scaling.num_workers, or set scaling.use_gpu=false to train on CPUs")
+
+
+def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    return {
+        "base_model": cfg.model.path,
+        "base_model_revision": cfg.model.revision,
+        "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or tracking.git_commit(),
+        "ray.job_submission_id": job_config.get("metadata", {}).get("job_submission_id"),
+        "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
+        "data.train_path": ", ".join(cfg.data.train_paths),
+    }
+
+
+def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, ray.data.Dataset, dict[str, float]]:
+    """Token rows of every train source, the eval rows, and what was dropped: rows that truncation to
+    data.max_seq_len left without a target token are not trained on (a NaN-loss step otherwise)."""
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
+    train, held_out = build_train_data(inputs.train, inputs.train_rows, inputs.tokenizer, cfg.model, cfg.data,
+                                       cfg.train.seed, None if inputs.eval else cfg.data.eval_fraction,
+                                       cfg.scaling.num_workers)
+    eval_sources = [read_records(inputs.eval, cfg.data)] if inputs.eval else held_out
+    eval_rows, eval_dropped = build_eval_rows(eval_sources, inputs.tokenizer, cfg.data)
+    if train.dropped_rows or eval_dropped:
+        print(f"warning: {train.dropped_rows} train and {eval_dropped} eval records have no target token left "
+              f"after truncation to data.max_seq_len={cfg.data.max_seq_len}; they are left out",
+              file=sys.stderr, flush=True)
+    if train.malformed_rows:
+        print(f"warning: {train.malformed_rows} train records lack the fields data.format={cfg.data.format} needs; "
+              "they are left out", file=sys.stderr, flush=True)
+    stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped,
+             "data_train_records_malformed": train.malformed_rows}
+    stats |= {f"data_pass_rows/{name}": rows for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
+    return train, eval_rows, stats
+
+
+def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.data.Dataset, run_id: str,
+                  job_start_time: float, verbose: bool = False) -> TorchTrainer:
+    credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+                   if k in os.environ}
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials)
+    resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
+    fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
+    return TorchTrainer(
+        functools.partial(train_worker, launch),
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
+            name=cfg.train.run_name, storage_path=cfg.train.output_dir,
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
+        torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),
+        datasets={"eval": eval_rows},  # not split: every rank scores the whole eval set
+        dataset_config=DataConfig(datasets_to_split=[]),
+    )
+
+
+def log_model_quietly(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str]:
+    """The adapter as the run's MLflow Model (and a registered version): a failure warns, the adapter is
+    on disk either way."""
+    from app.tracking.registry import log_adapter_model
+
+    try:
+        return log_adapter_model(cfg, run_id, summary) or {}
+    except Exception as e:
+        print(f"warning: MLflow: the adapter was not logged as a model ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is at {cfg.run_dir.adapter}",
+              file=sys.stderr, flush=True)
+        return {}
+
+
+def best_tags(cfg: FinetuneConfig, summary: dict) -> dict[str, str]:
+    """Tags that name the run's best evaluation (and which weights its adapter holds)."""
+    if summary.get("best_step") is None:
+        return {}
+    return {"best_metric": cfg.train.best_metric, "best_step": str(int(summary["best_step"])),
+            "best_value": f"{summary['best_value']:.6g}", "adapter_weights": cfg.train.export,
+            "stopped_early": str(bool(summary.get("stopped_early"))).lower()}
+
+
+def startup_timeline(figures: dict, kind: str = "startup_seconds") -> dict[str, float]:
+    """The driver's and the workers' start-up points (kind: seconds from the job's start, or rank 0's
+    resident memory there), in the order they were reached."""
+    order = {k.split("/", 1)[1]: v for k, v in figures.items() if k.startswith("startup_seconds/")}
+    points = {k.split("/", 1)[1]: round(v, 2) for k, v in figures.items() if k.startswith(f"{kind}/") and v is not None}
+    return dict(sorted(points.items(), key=lambda kv: order.get(kv[0]) or 0))
+
+
+def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False) -> dict:
+    """Check, launch, train, record; returns the one-line JSON summary as a dict.
+
+    With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
+    same MLflow run, with whatever worker count the config now asks for. The summary comes from the
+    workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
+    """
+    t0, job_start_time = time.perf_counter(), time.time()
+    startup = StartupClock(job_start_time)
+    ensure_embedded(cfg)
+    cfg = pin_hub_revision(cfg)
+    inputs = check_inputs(cfg)
+    cfg = with_loadable_model(cfg)
+    startup.reached("inputs_checked")
+    with claimed_run(cfg, resume) as run_id:
+        init_ray(verbose)
+        check_placement(cfg)
+        startup.reached("ray_ready")
+        if run_id is None:
+            run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                            "data.eval_rows": inputs.eval_rows},
+                                        [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+            cfg.run_dir.write_record(run_id)
+        else:
+            tracking.reopen_run(cfg.mlflow.tracking_uri, run_id, run_tags(cfg), cfg.model.revision)
+        startup.reached("mlflow_run_ready")
+        status = "FAILED"
+        try:
+            train, eval_rows, data_stats = build_data(cfg, inputs)
+            passes, pass_figures = start_passes(train, cfg.scaling.num_workers, cfg.data)
+            startup.reached("data_ready")
+            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
+            trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
+            summary = trainer.fit().metrics
+            status = "FINISHED"
+            tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, summary))
+            model = log_model_quietly(cfg, run_id, summary)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
+            status = "KILLED"
+            raise
+        finally:
+            recorded = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
+    summary = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in summary.items()}
+    return {
+        "mlflow_run_id": run_id,
+        "tracking_uri": cfg.mlflow.tracking_uri,
+        "experiment": cfg.mlflow.experiment,
+        "run_name": cfg.train.run_name,
+        "adapter_path": cfg.run_dir.adapter,
+        "steps": int(summary["steps"]),
+        "initial_eval_loss": summary["initial_eval_loss"],
+        "final_train_loss": summary["final_train_loss"],
+        "final_eval_loss": summary["final_eval_loss"],
+        **{k: v for k, v in summary.items() if k.startswith("final_eval_") and k != "final_eval_loss"},
+        "best": {"metric": cfg.train.best_metric, "step": summary.get("best_step"), "value": summary.get("best_value"),
+                 "exported": cfg.train.export == "best"},
+        "stopped_early": bool(summary.get("stopped_early")),
+        "tokens_per_second": summary["tokens_per_second_steady"],
+        "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
+        "startup_seconds": startup_timeline(startup.seconds | summary),
+        "startup_rss_gb": startup_timeline(summary, "startup_rss_gb"),
+        "data_wait_fraction": summary["data_wait_fraction"],
+        "step_seconds_mean_steady": summary["step_seconds_mean_steady"],
+        "peak_memory_gb": summary["peak_memory_gb_max_over_workers"],
+        "mlflow_synced": recorded,
+        **model,
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+    }

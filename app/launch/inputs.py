@@ -1,0 +1,76 @@
+"""Everything the driver checks before Ray starts: the model, its tokenizer and LoRA targets, every data
+source and its records. A mistake costs a second and one line naming the key, file or line."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+from app.config.paths import looks_local
+from app.config.schema import FinetuneConfig
+from app.data.formatting import check_chat_template
+from app.data.sources import DataSource, check_source, resolve_source
+from app.errors import UserInputError
+from app.model.build import check_lora_targets, check_model_source, load_tokenizer
+from app.model.sharded_loading import sharded_loading_problem
+from app.train import task_metrics
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    train: list[DataSource]  # one per data.train_path source
+    eval: DataSource | None
+    train_rows: list[int]  # records of each train source (-1: remote, counted when read)
+    eval_rows: int
+    tokenizer: object
+
+
+def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
+    """Every check that needs no cluster: model path, tokenizer, LoRA targets, data files and records."""
+    check_model_source(cfg.model)
+    try:
+        tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first}") from None
+    check_chat_template(tokenizer, "data.chat_template" if cfg.data.chat_template else f"model.path={cfg.model.path}")
+    train = [resolve_source(path, "data.train_path") for path in cfg.data.train_paths]
+    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
+    train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
+    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
+    check_lora_targets(cfg.model, cfg.lora)
+    for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
+        task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
+    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
+
+
+def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:
+    """`model.load: sharded` reads each rank's slices of the checkpoint; where transformers must convert
+    tensors to build a parameter (fused experts, ...), load the model whole instead, and say so."""
+    if cfg.model.load != "sharded":
+        return cfg
+    problem = sharded_loading_problem(cfg.model)
+    if problem is None:
+        return cfg
+    print(f"warning: model.load=sharded: {problem}; every worker loads the whole model instead (model.load=full)",
+          file=sys.stderr, flush=True)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"load": "full"})})
+
+
+def pin_hub_revision(cfg: FinetuneConfig) -> FinetuneConfig:
+    """A hub model's revision (a branch, a tag, or none: main) resolved to its commit here, in the driver:
+    every worker then loads the same weights even if the branch moves during the run, the run is tagged
+    with the commit, and a resume can check it still trains the same model."""
+    path, revision = cfg.model.path, cfg.model.revision
+    if looks_local(path) or "://" in path or (revision and re.fullmatch(r"[0-9a-f]{40}", revision)):
+        return cfg
+    from huggingface_hub import HfApi
+
+    try:
+        sha = HfApi().model_info(path, revision=revision).sha
+    except Exception as e:  # no network, no such repo or revision, a gated repo without HF_TOKEN
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model.path={path}: cannot resolve revision {revision or 'main'} on the hub "
+                             f"({first}); check the id, HF_TOKEN, or give a local directory") from None
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": sha})})

@@ -1,0 +1,118 @@
+"""Ray Train's per-worker entry point: Ray context in, the plain recipe (app/train/recipe.py) out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import ray.train
+import ray.train.torch
+
+from app.config.paths import export_credentials
+from app.config.schema import FinetuneConfig
+from app.data.pipeline import shard_batches
+from app.tracking.logger import RunLogger
+from app.train.checkpoint import TrainerState
+from app.train.ranks import RankContext
+from app.train.recipe import FinetuneRecipe, NoTracking
+
+FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": fault injection for the resilience tests
+
+
+class RayCheckpoints:
+    """Checkpoints through Ray Train: it uploads each rank's shard into one directory under
+    RunConfig.storage_path, keeps the last `train.keep_checkpoints`, and registers a checkpoint only
+    once every rank has reported it, so a crash mid-save leaves the previous one as the latest."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.is_last_rank = rank == world_size - 1
+
+    def restore(self, load) -> TrainerState | None:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load(Path(directory))
+
+    def save(self, write, metrics: dict[str, float]) -> None:
+        with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as directory:
+            write(Path(directory))
+            self._maybe_die_mid_save(metrics["step"])
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def _maybe_die_mid_save(self, step: int) -> None:
+        """With FINETUNE_FAULT_DIE_IN_CHECKPOINT=STEP:MARKER set, the last rank SIGKILLs itself once,
+        at that step, after writing its shard and before Ray has the checkpoint: a crash mid-save."""
+        fault = os.environ.get(FAULT_ENV)
+        if not (fault and self.is_last_rank):
+            return
+        at_step, marker = fault.split(":", 1)
+        if int(at_step) == step and not os.path.exists(marker):
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
+    that gives each rank its shard of every pass over the training data (app.data.PassCoordinator)."""
+
+    config: FinetuneConfig
+    mlflow_run_id: str
+    job_start_time: float
+    passes: ray.actor.ActorHandle
+    source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
+    # MLflow credentials the driver took from a tracking URI (they never travel in the config); shipped
+    # with the training function, never in a runtime env, job metadata or log
+    mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+def train_worker(launch: WorkerLaunch) -> None:
+    cfg = launch.config
+    context = ray.train.get_context()
+    ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
+    eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
+
+    def train_pass(epoch: int):
+        [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
+        return shard_batches(ray.get(rows), cfg.train.micro_batch_size)
+
+    def eval_pass():
+        return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
+
+    export_credentials(os.environ.get("MLFLOW_TRACKING_URI", ""))  # the config holds the URI without them
+    for variable, value in launch.mlflow_credentials.items():
+        os.environ.setdefault(variable, value)
+    tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()
+    system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
+    try:
+        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
+                       cfg.run_dir, launch.job_start_time, launch.source_names).train()
+    finally:
+        if system is not None:
+            system.finish()
+        if ctx.is_main:
+            tracker.close()
+
+
+def start_system_metrics(cfg: FinetuneConfig, run_id: str):
+    """MLflow's own system-metrics sampler for rank 0's node (a thread; it stops by itself, with a warning,
+    if the tracking server stops answering)."""
+    if not cfg.mlflow.system_metrics_seconds:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    try:
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.mlflow.system_metrics_seconds,
+                                       resume_logging=True, tracking_uri=cfg.mlflow.tracking_uri)
+    except Exception as e:  # a tracking server that is down costs the system figures, not the run
+        print(f"warning: MLflow system metrics are off for this attempt ({str(e).splitlines()[0][:200]})",
+              file=sys.stderr, flush=True)
+        return None
+    monitor.start()
+    return monitor

@@ -1,0 +1,99 @@
+"""Predicted memory of one worker, from the model's config alone (no weights), before any cluster time.
+
+Parameter counts are exact: the PEFT LoRA model is built on the meta device. The rest follows FSDP2's
+layout: every stored tensor is split over the `shard` ranks of its mesh dimension; during forward and
+backward one decoder layer (and the next, prefetched) is all-gathered in `fsdp.param_dtype`, the root
+unit (embeddings, final norm, LM head) stays gathered from forward to backward, and without
+`reshard_after_forward` every layer stays gathered until its backward. Activations are an estimate:
+with activation checkpointing each layer keeps its input and one layer at a time is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from app.config.schema import FinetuneConfig
+from app.model.hardware import has_fast_bf16
+
+GiB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class MemoryPlan:
+    workers: int
+    shard: int
+    base_params: int
+    lora_params: int
+    device: dict[str, float] = field(default_factory=dict)  # component -> bytes on the accelerator (or RAM on CPU)
+    host: dict[str, float] = field(default_factory=dict)  # offloaded components
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+
+def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
+    """(PEFT model on the meta device, base parameter count, LoRA parameter count)."""
+    from app.model.sharded_loading import build_meta_lora_model
+
+    model = build_meta_lora_model(cfg.model, cfg.lora, cfg.train.seed, config_file=config_file)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, base, lora
+
+
+def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPlan:
+    from app.model.sharding import decoder_layers
+
+    cfg = cfg.with_dtypes_resolved(cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
+    model, base, lora = count_parameters(cfg, config_file)
+    shard = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
+    stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]
+    layers = decoder_layers(model)
+    layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    root_params = base + lora - sum(p.numel() for layer in layers for p in layer.parameters())
+    plan = MemoryPlan(cfg.scaling.num_workers, shard, base, lora)
+
+    state = {"parameters (sharded, stored dtype)": (base * stored + lora * 4) / shard,
+             "LoRA gradients (sharded, fp32)": lora * 4 / shard,
+             "AdamW state (sharded, 2 x fp32)": 2 * lora * 4 / shard}
+    (plan.host if cfg.fsdp.cpu_offload else plan.device).update(state)
+    gathered_layers = 2 if cfg.fsdp.reshard_after_forward else len(layers)
+    plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_params + root_params) * compute
+    plan.device["activations (estimate)"] = activation_bytes(model.config, cfg, compute, len(layers))
+    return plan
+
+
+def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int) -> float:
+    """One micro-batch: saved layer inputs (checkpointing) or every layer's intermediates, plus the loss's
+    share. The plain loss keeps the logits (compute dtype), their fp32 copy and its log-softmax, and the
+    gradients of all three; the chunked loss holds one chunk's logits (compute dtype and fp32, the
+    softmax in place) and the hidden states' gradient."""
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
+    one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
+    if cfg.model.gradient_checkpointing:
+        kept = num_layers * tokens * hidden * compute + one_layer
+    else:
+        kept = num_layers * one_layer
+    chunk = cfg.train.loss_chunk_tokens
+    if chunk:
+        return kept + min(chunk, tokens) * config.vocab_size * (compute + 4) + tokens * hidden * compute
+    return kept + tokens * config.vocab_size * (2 * compute + 16)
+
+
+def format_plan(plan: MemoryPlan, device_memory_gb: float | None) -> str:
+    lines = [f"per worker: {plan.workers} workers, parameters sharded {plan.shard} ways; "
+             f"base {plan.base_params / 1e9:.3f} B params, LoRA {plan.lora_params / 1e6:.2f} M params"]
+    for where, parts in (("device", plan.device), ("host (cpu_offload)", plan.host)):
+        for name, value in parts.items():
+            lines.append(f"  {where:<18} {name:<42} {value / GiB:9.3f} GiB")
+    lines.append(f"  {'device':<18} {'total':<42} {plan.device_total / GiB:9.3f} GiB")
+    if device_memory_gb:
+        fits = plan.device_total <= 0.9 * device_memory_gb * GiB  # CUDA context, allocator fragmentation
+        lines.append(f"{'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB per device "
+                     f"(at most 90% usable: {0.9 * device_memory_gb:.1f} GiB)")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Memory-lean model building: no rank ever holds the whole base model.
+
+The simple path (app.model.build_lora_model, then shard) loads every weight in every worker: N full
+copies in host memory per node. Here the model is built on the meta device, LoRA is applied and the
+model sharded while it has no storage, and only then does each rank allocate and fill its own
+shards: base weights read as slices of the safetensors files (memory-mapped, so a rank reads only
+its rows), LoRA weights initialised explicitly (meta LoRA weights would otherwise stay garbage).
+Peak host memory of a worker while loading scales with 1/N of the model.
+
+Checkpoint keys are mapped to the model's parameters with transformers' own renaming rules (e.g.
+GPT-NeoX's `embed_out` is the model's `lm_head`); tied weights stay one parameter. What this loader
+cannot map (parameters that transformers builds from several checkpoint tensors, such as fused MoE
+experts) is found in the driver by `sharded_loading_problem`, and the job then loads the model whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.errors import UserInputError
+from app.model.build import apply_lora, build_lora_model, enable_activation_checkpointing
+from app.model.hardware import torch_dtype
+from app.model.lora_init import base_param_name, init_lora_weights
+from app.model.sharding import local_region, shard_model
+
+CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safetensors file, key in it)
+
+
+def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device) -> nn.Module:
+    """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says."""
+    if model_cfg.load == "full":
+        return shard_model(build_lora_model(model_cfg, lora_cfg, seed, device), mesh, fsdp_cfg, model_cfg.compile)
+    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed), mesh, fsdp_cfg, model_cfg.compile)
+    materialize_sharded(model, model_cfg, seed, device)
+    return model
+
+
+def build_meta_base_model(model_cfg, config_file: str | None = None):
+    """The base model with every parameter on the meta device and tied weights tied; buffers (rotary
+    tables, which no checkpoint holds) are computed on the CPU as usual. Reads only the model's config
+    (or `config_file`, a config.json of any model shape)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config_file:
+        fields = json.loads(Path(config_file).read_text())
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(model_cfg.path, revision=model_cfg.revision,
+                                            trust_remote_code=model_cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(model_cfg.dtype),
+                                                trust_remote_code=model_cfg.trust_remote_code,
+                                                attn_implementation=model_cfg.attn_implementation)
+    base.tie_weights()  # init_empty_weights re-creates every parameter, which unties lm_head from the embedding
+    return base
+
+
+def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None):
+    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed)
+    if model_cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model
+
+
+def materialize_sharded(model: nn.Module, model_cfg, seed: int, device: torch.device) -> None:
+    """After fully_shard: allocate each rank's shards on `device` and fill them."""
+    index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
+    allocate_local_shards(model, device)
+    with torch.no_grad(), SliceReader(index) as reader:
+        load_base_shards(model, reader)
+        init_lora_weights(model, seed, reader.rows)
+
+
+@torch.no_grad()
+def allocate_local_shards(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter (uninitialised) local storage on `device`, keeping the buffers' values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, buffer in buffers.items():
+        model.get_buffer(name).copy_(buffer)
+
+
+def weight_files(model_cfg) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it (a local directory, or the hub cache)."""
+    root = Path(model_cfg.path)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(model_cfg.path, revision=model_cfg.revision,
+                                      allow_patterns=["*.safetensors", "*.json"]))
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return {key: root / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    files = {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            files.update({key: file for key in f.keys()})
+    return files
+
+
+def checkpoint_index(base_model: nn.Module, files: dict[str, Path]) -> tuple[CheckpointIndex, set[str]]:
+    """Each base parameter's (file, checkpoint key), renaming keys as transformers does when it loads;
+    and the parameters transformers would build by merging or splitting checkpoint tensors (fused MoE
+    experts, ...), which have no slice to read."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(base_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names = {name: True for name, _ in base_model.named_parameters()}
+    index: CheckpointIndex = {}
+    converted: set[str] = set()
+    for key, file in files.items():
+        name, converted_by = rename_source_key(key, renamings, converters, base_model.base_model_prefix, names)
+        if converted_by is None:
+            index.setdefault(name, (file, key))
+        else:
+            converted.add(name)
+    return index, converted
+
+
+class SliceReader:
+    """Reads row ranges of checkpoint tensors from memory-mapped safetensors files (only those bytes)."""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index, self.handles = index, {}
+
+    def __enter__(self) -> SliceReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handles.clear()
+
+    def slice(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        if name not in self.index:
+            raise KeyError(f"{name}: no weight in the model's safetensors files maps to it")
+        file, key = self.index[name]
+        if file not in self.handles:
+            from safetensors import safe_open
+
+            self.handles[file] = safe_open(file, framework="pt")
+        return self.handles[file].get_slice(key)[region]
+
+    def rows(self, name: str, rows: slice) -> torch.Tensor:
+        return self.slice(name, (rows,))
+
+
+def load_base_shards(model: nn.Module, reader: SliceReader) -> None:
+    """Copy each frozen weight's local rows out of the checkpoint."""
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        local, region = local_region(param)
+        if local.numel():
+            local.copy_(reader.slice(base_param_name(name), region).to(local.dtype))
+
+
+def checkpoint_keys(model_cfg) -> dict[str, Path | str]:
+    """Checkpoint key -> file, from the safetensors headers only (a hub model's are fetched, not its weights)."""
+    if Path(model_cfg.path).is_dir():
+        return weight_files(model_cfg)
+    from huggingface_hub import get_safetensors_metadata
+
+    return dict(get_safetensors_metadata(model_cfg.path, revision=model_cfg.revision).weight_map)
+
+
+def sharded_loading_problem(model_cfg) -> str | None:
+    """Why `model.load: sharded` cannot read this checkpoint slice by slice (None if it can): some of its
+    parameters are built by transformers from several checkpoint tensors. Runs in the driver, on the
+    config and the safetensors headers. A parameter that no checkpoint tensor gives at all is an error."""
+    base = build_meta_base_model(model_cfg)
+    index, converted = checkpoint_index(base, checkpoint_keys(model_cfg))
+    missing = [name for name, _ in base.named_parameters() if name not in index]
+    absent = [name for name in missing if name not in converted]
+    if absent:
+        raise UserInputError(f"model.path={model_cfg.path}: no weight in its safetensors files for "
+                             f"{_some(absent)}; the checkpoint does not match its config.json")
+    if missing:
+        return f"transformers builds {_some(missing)} by converting checkpoint tensors"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")

@@ -1,0 +1,74 @@
+"""A finished run's adapter as an MLflow Model, registered as a version of `mlflow.registered_model`.
+
+The model is app/serve/pyfunc.py (MLflow "model from code") with the adapter as its artifact and, in its
+model config, the base it needs: a hub id with its pinned revision, or a local path with a digest of
+its weight files' bytes (so a reloaded version can tell it got the same base). The version carries the
+run id, the base model and the run's eval figures as tags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+from app.config.schema import FinetuneConfig
+
+SERVED_MODEL = Path(__file__).parents[1] / "serve" / "pyfunc.py"
+REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over the model's safetensors files (name and bytes, in name order), read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            while block := f.read(8 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def base_model_record(cfg: FinetuneConfig) -> dict[str, str]:
+    record = {"base_model": cfg.model.path}
+    if Path(cfg.model.path).is_dir():
+        record["base_model_sha256"] = weights_digest(Path(cfg.model.path))
+    elif cfg.model.revision:
+        record["base_model_revision"] = cfg.model.revision
+    return record
+
+
+def _pinned_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in REQUIREMENTS]
+
+
+def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str] | None:
+    """Log the adapter as the run's MLflow Model "model" and register it when `mlflow.registered_model`
+    is set. Returns {"model_uri", and "registered_model", "version" when registered}."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    base = base_model_record(cfg)
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    adapter, _download = cfg.run_dir.local_copy("adapter")  # the download lives as long as this call
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
+        # an input example would make MLflow load the base model here to try it: none is given
+        warnings.filterwarnings("ignore", message=".*input example was not provided")
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=str(SERVED_MODEL), artifacts={"adapter": str(adapter)},
+            model_config={**base, "max_new_tokens": cfg.eval.max_new_tokens},
+            pip_requirements=_pinned_requirements(), registered_model_name=cfg.mlflow.registered_model,
+            metadata=base)
+    result = {"model_uri": info.model_uri}
+    if cfg.mlflow.registered_model:
+        client = MlflowClient(cfg.mlflow.tracking_uri)
+        version = info.registered_model_version
+        figures = {k: v for k, v in summary.items() if isinstance(v, float) and
+                   (k.startswith("final_eval_") or k == "initial_eval_loss")}
+        tags = {"run_id": run_id, **base, **{k: f"{v:.6g}" for k, v in figures.items()}}
+        for key, value in tags.items():
+            client.set_model_version_tag(cfg.mlflow.registered_model, str(version), key, value)
+        result |= {"registered_model": cfg.mlflow.registered_model, "version": str(version)}
+    return result

@@ -1,0 +1,101 @@
+"""Checkpoints: the sharded training state (DCP) and the exported PEFT adapter.
+
+A training checkpoint holds only what the base model cannot give back: the LoRA weights and their
+AdamW state (each rank writes its own shard with torch.distributed.checkpoint), plus a small JSON of
+the step, LR-scheduler state and data position, and each rank's RNG state. The frozen base weights
+are never written. DCP reshards on load, so a run saved by N workers resumes on M.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from app.model.sharding import reshard
+
+TRAINER_STATE = "trainer_state.json"
+BEST_ADAPTER = "best_adapter.safetensors"  # train.export=best: the LoRA weights of the best evaluation
+# strict=False: the frozen base is not in the checkpoint; dcp.load already fails on a missing LoRA key
+_TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps completed
+    epoch: int  # passes over the training data started
+    rows_into_epoch: int  # global rows of the current pass already trained on
+    scheduler: dict
+    initial_eval_loss: float  # of the untrained model, kept for the run's summary
+    train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
+    best: dict = field(default_factory=dict)  # app.evaluation.BestEvaluation.state()
+    stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
+
+
+def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState,
+                        best_adapter: dict[str, torch.Tensor] | None = None) -> None:
+    """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`
+    (rank 0 also the whole `best_adapter`, which every rank holds)."""
+    reshard(model)  # the fp32 shards, not gathered copies an eval forward left behind
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    rank = dist.get_rank()
+    torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
+    if rank == 0:
+        (directory / TRAINER_STATE).write_text(json.dumps(asdict(state)))
+        if best_adapter is not None:
+            save_file({k: v.contiguous() for k, v in best_adapter.items()}, str(directory / BEST_ADAPTER))
+
+
+def load_training_state(directory: Path, model: nn.Module, optimizer) -> TrainerState:
+    """Restore into an already sharded model and its optimizer; resharding to this world size."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                   options=_TRAINABLE_ONLY)
+    rng = directory / f"rng-rank{dist.get_rank()}.pt"
+    if rng.exists():  # absent when resuming on more ranks than saved: the seed set at start stands
+        torch.set_rng_state(torch.load(rng))
+    return TrainerState(**json.loads((directory / TRAINER_STATE).read_text()))
+
+
+def load_best_adapter(directory: Path) -> dict[str, torch.Tensor] | None:
+    return load_file(str(directory / BEST_ADAPTER)) if (directory / BEST_ADAPTER).exists() else None
+
+
+def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FULL tensor of every trainable (LoRA) parameter, on the CPU, on every rank.
+
+    A collective: every rank must call it. Gathering only what trains avoids all-gathering the frozen
+    base, and gathering every shard (not rank 0's slice) is what makes the saved lora_B whole. The
+    shards are the fp32 master weights: units still holding gathered compute-dtype copies (after an
+    eval forward) are resharded first.
+    """
+    reshard(model)
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            state[name] = full.detach().to("cpu", copy=True)
+    return state
+
+
+def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path, tokenizer,
+                 run_config_yaml: str = "") -> Path:
+    """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is, with the
+    tokenizer files and the config of the run that trained it (`finetune_config.yaml`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if run_config_yaml:
+        (out_dir / "finetune_config.yaml").write_text(run_config_yaml)
+    return out_dir

@@ -1,0 +1,88 @@
+"""Evaluation on the held-out set: mean loss per target token, the same for any worker count."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from app.data.formatting import IGNORE_INDEX
+from app.data.stream import to_device
+from app.train.loss import summed_token_loss, target_token_count
+from app.train.ranks import RankContext
+
+
+@torch.no_grad()
+def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext, chunk_tokens: int = 0) -> float:
+    """Mean loss per target token over the whole eval set.
+
+    Every rank reads all eval batches and scores batches rank, rank + world, ...; ranks with fewer
+    batches run an extra forward with no weight, since FSDP needs every rank in every forward.
+    """
+    was_training = model.training
+    model.eval()
+    batches = [to_device(cut_after_last_target(b), ctx.device) for b in eval_pass()]
+    mine = batches[ctx.rank::ctx.world_size]
+    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    for i in range(math.ceil(len(batches) / ctx.world_size)):
+        batch = mine[i] if i < len(mine) else batches[0]
+        token_loss = summed_token_loss(model, batch, chunk_tokens)
+        if i < len(mine):
+            totals += torch.stack([token_loss.double(), target_token_count(batch["labels"]).double()])
+    dist.all_reduce(totals)
+    model.train(was_training)
+    return (totals[0] / totals[1]).item()
+
+
+def cut_after_last_target(batch: dict) -> dict:
+    """The batch's rows without the columns after its last target token: only padding or untrained tail
+    there, and under the causal mask no position before attends to them, so the loss is the same for a
+    fraction of the compute (eval rows are padded to data.max_seq_len; most records are far shorter)."""
+    labels = torch.as_tensor(batch["labels"])
+    targets = (labels != IGNORE_INDEX).any(0).nonzero()
+    width = int(targets[-1, 0]) + 1 if len(targets) else 1
+    return {k: v[:, :width] if getattr(v, "ndim", 0) == 2 and v.shape[1] == labels.shape[1] else v
+            for k, v in batch.items()}
+
+
+def eval_metrics(eval_loss: float) -> dict[str, float]:
+    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
+
+
+LOWER_IS_BETTER = ("eval_loss", "eval_perplexity")
+
+
+@dataclass
+class BestEvaluation:
+    """The best evaluation of a run so far by `metric` (lower is better for loss and perplexity, higher for
+    task metrics), and how many evaluations in a row have not beaten it: early stopping's count. Kept in
+    every checkpoint, so a restarted or resumed run ranks against the same best."""
+
+    metric: str
+    patience: int | None = None
+    value: float | None = None
+    step: int | None = None
+    evals_since: int = 0
+
+    def update(self, step: int, figures: dict[str, float]) -> bool:
+        """Rank one evaluation; True when it is the new best. (A NaN figure never is.)"""
+        value = figures[self.metric]
+        if self.value is None:
+            better = math.isfinite(value)
+        else:
+            better = value < self.value if self.metric in LOWER_IS_BETTER else value > self.value
+        if better:
+            self.value, self.step, self.evals_since = value, step, 0
+            return True
+        self.evals_since += 1
+        return False
+
+    @property
+    def patience_spent(self) -> bool:
+        return self.patience is not None and self.evals_since >= self.patience
+
+    def state(self) -> dict:
+        return {"value": self.value, "step": self.step, "evals_since": self.evals_since}

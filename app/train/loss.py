@@ -1,0 +1,150 @@
+"""Causal-LM loss, normalised by the number of target tokens in the whole global batch.
+
+Each micro-batch contributes `sum of token losses / N`, where N counts the unmasked tokens over
+every micro-batch of every rank in this optimizer step. Summed over micro-batches and ranks that is
+exactly the mean over the global batch, whatever the worker count or accumulation split, so one
+worker and two workers given the same global batch take the same step. FSDP averages gradients over
+ranks, so the loss a rank backpropagates is scaled by the world size to turn that average into the sum.
+
+The cross-entropy is computed from the final hidden states in chunks of `chunk_tokens` positions: the
+logits of one chunk exist at a time (fp32 logits of seq 2048 x micro 2 x a 128k vocabulary would be
+2 GiB), and the gradient for the hidden states is computed with them, so backward keeps no logits either.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from app.data.formatting import IGNORE_INDEX
+
+
+def target_token_count(labels: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry loss: labels are shifted by one, so the first position never does."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def global_target_tokens(micro_batches: list[dict]) -> torch.Tensor:
+    """N for this step: one all-reduce of a scalar, before any forward pass."""
+    count = sum(target_token_count(b["labels"]) for b in micro_batches).to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    return count
+
+
+def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, world_size: int,
+                            chunk_tokens: int = 0):
+    """What one rank backpropagates for one micro-batch; returns (that loss, its unscaled token sum)."""
+    token_sum = summed_token_loss(model, batch, chunk_tokens)
+    return token_sum * (world_size / global_tokens), token_sum.detach()
+
+
+def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch; with
+    `chunk_tokens`, computed in chunks where the model's output head allows it."""
+    batch = _as_one_sequence_for_flash(model, batch)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
+    labels = batch["labels"][:, 1:].flatten()
+    head = chunkable_head(model) if chunk_tokens else None
+    if head is None:
+        logits = model(**inputs).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    captured = {}
+    body = _decoder_body(model)
+    hook = body.register_forward_hook(lambda module, args, output: captured.update(hidden=output[0]))
+    try:  # the model's own forward (FSDP's hooks run, the root's weights stay gathered for backward)
+        model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden = captured["hidden"][:, :-1].flatten(0, 1)
+    softcap = getattr(_causal_lm(model).config.get_text_config(), "final_logit_softcapping", None)
+    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens, softcap)
+
+
+def _as_one_sequence_for_flash(model, batch: dict) -> dict:
+    """FlashAttention kernels read packed records from restarting position ids only in a batch of one
+    row (transformers' varlen path): packed rows are laid end to end there. Exact: every packed row starts
+    at position 0 and its first label is masked, so no loss crosses from one row into the next."""
+    kernel = getattr(_causal_lm(model).config, "_attn_implementation", None) or ""
+    if batch.get("position_ids") is None or "flash" not in kernel or len(batch["input_ids"]) == 1:
+        return batch
+    return batch | {k: batch[k].reshape(1, -1) for k in ("input_ids", "labels", "position_ids")}
+
+
+def _causal_lm(model) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _decoder_body(model) -> nn.Module:
+    lm = _causal_lm(model)
+    return getattr(lm, lm.base_model_prefix)
+
+
+# Config fields that change logits after the head (a scale or multiplier); a model with any of them set
+# takes the plain loss. Softcapping is applied by the chunked loss itself.
+LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier_scale",
+                    "logit_multiplier")
+
+
+def chunkable_head(model) -> nn.Linear | None:
+    """The output projection when logits are `hidden @ weight.T` (softcapped or not) and the model's forward
+    takes `logits_to_keep`; None where the model does more (a bias, a logit scale or multiplier, a
+    LoRA-adapted head) or its forward is another (remote code): those take the plain loss."""
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None or not hasattr(lm, lm.base_model_prefix):
+        return None
+    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return None
+    configs = {id(c): c for c in (lm.config, lm.config.get_text_config())}.values()
+    if any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs for name in LOGIT_TRANSFORMS):
+        return None
+    return head
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over positions of cross_entropy(hidden @ weight.T [softcapped], labels), one chunk of positions
+    at a time. The gradients are computed in the forward, chunk by chunk, and kept (the size of `hidden`
+    and `weight`) instead of the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None):
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+            logits = (h @ weight.T).float()  # what the model's head gives, then the fp32 cast the plain loss makes
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            valid = y != IGNORE_INDEX
+            target = y.clamp(min=0)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            total += ((log_norm - logits.gather(1, target[:, None])[:, 0]) * valid).sum()
+            if want_hidden or want_weight:
+                grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+                grad[torch.arange(len(y), device=y.device), target] -= 1
+                grad *= valid[:, None]
+                if softcap:
+                    grad *= 1 - capped * capped
+                grad = grad.to(hidden.dtype)
+                if want_hidden:
+                    grad_hidden[start:start + chunk_tokens] = grad @ weight
+                if want_weight:
+                    grad_weight += (grad.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
+                None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None)

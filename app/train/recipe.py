@@ -1,0 +1,295 @@
+"""The LoRA + FSDP2 fine-tuning recipe that every worker runs, in four named steps:
+
+    setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
+    train_step()  one optimizer step: micro-batches -> loss over the global batch's targets -> clip -> step
+    evaluate()    mean eval loss per target token, and task metrics of greedy answers, all ranks together
+    finish()      sample generations, the adapter gathered from every shard, the run's summary
+
+Plain torch: the process group must exist, and batches arrive as iterables of {"input_ids", "labels"}
+tensors. Ray (app/launch/worker.py) provides both on a cluster, plus a checkpoint store; the unit tests
+provide them with torch.multiprocessing and lists (tests/unit/train/test_recipe.py).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from transformers import get_scheduler
+
+from app.config.schema import FinetuneConfig
+from app.data.stream import PassOverShard, ShardStream
+from app.model.build import load_tokenizer
+from app.model.hardware import has_fast_bf16
+from app.model.sharded_loading import build_sharded_lora_model
+from app.model.sharding import build_device_mesh, full_grad_norm, trainable_parameters
+from app.runs.layout import RunDir
+from app.train.checkpoint import (
+    TrainerState,
+    gather_trainable_state,
+    load_best_adapter,
+    load_training_state,
+    save_adapter,
+    save_training_state,
+)
+from app.train.evaluation import BestEvaluation, eval_metrics, evaluate_loss
+from app.train.generation import generation_table
+from app.train.loss import global_target_tokens, scaled_micro_batch_loss
+from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
+from app.train.ranks import RankContext, max_over_ranks, on_every_rank
+from app.train.task_metrics import row_scores, score
+
+
+class Tracker(Protocol):
+    """Rank 0's MLflow run (app/tracking/logger.py). `once_per_step` metrics of a step an earlier attempt of
+    the run already logged are dropped, so a restarted run keeps one value per step."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
+    def log_params(self, params: dict[str, object]) -> None: ...
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
+
+
+class NoTracking:
+    """What ranks other than 0 log to: nothing."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
+    def log_params(self, params: dict[str, object]) -> None: ...
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
+
+
+class CheckpointStore(Protocol):
+    def restore(self, load: Callable[[Path], TrainerState]) -> TrainerState | None: ...
+    def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
+
+
+class FinetuneRecipe:
+    """Train until `train.max_steps` optimizer steps are done, the same number on every rank, or until
+    `train.early_stopping_patience` evaluations in a row have not beaten the best one.
+
+    Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
+    `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
+    With several `source_names` (a data mixture), batches carry each row's records per source, and the share of
+    records each source has given so far is logged as `data_share/<name>`.
+    """
+
+    def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
+                 eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
+                 checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
+                 job_start_time: float | None = None, source_names: tuple[str, ...] = ()):
+        self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
+        self.tracker = tracker or NoTracking()
+        self.checkpoints, self.run_dir = checkpoints, run_dir
+        self.job_start_time = job_start_time or time.time()
+        self.started = time.perf_counter()
+        self.meter = ThroughputMeter()
+        self.startup = StartupClock(self.job_start_time, memory=True)
+        self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
+        self.source_names = source_names if len(source_names) > 1 else ()
+        self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
+
+    def setup(self) -> None:
+        ctx = self.ctx
+        self.startup.reached("worker_started")
+        cfg = self.cfg = self.cfg.with_dtypes_resolved(on_every_rank(has_fast_bf16(ctx.device), ctx))
+        self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
+                                 "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
+        torch.manual_seed(cfg.train.seed)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+        self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
+                                              build_device_mesh(ctx.device.type, cfg.scaling.mesh),
+                                              cfg.train.seed, ctx.device)
+        self.startup.reached("model_built")
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
+                                           weight_decay=cfg.train.weight_decay)
+        self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
+                                       num_warmup_steps=cfg.train.warmup_steps,
+                                       num_training_steps=cfg.train.max_steps)
+        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer),
+                                                         load_best_adapter(d)))
+                    if self.checkpoints else None)
+        self.best, self.best_adapter = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience), None
+        if restored is None:
+            figures = self.evaluate()
+            self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
+                                      initial_eval_loss=self.eval_loss)
+            self.rank_evaluation(0)
+            self.startup.reached("initial_eval_done")
+            self.tracker.log_metrics(figures | self.startup.seconds, step=0)
+        else:
+            self.state, self.best_adapter = restored
+            self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **self.state.best)
+            self.scheduler.load_state_dict(self.state.scheduler)
+            self.eval_loss = None  # nothing evaluated in this attempt yet
+            self.tracker.log_metrics({"resumed_from_step": self.state.step}, step=self.state.step,
+                                     once_per_step=False)
+        self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
+                                   self.state.rows_into_epoch // ctx.world_size)
+        self.train_loss, self.step = self.state.train_loss, self.state.step
+        self.stopped_early = self.state.stopped_early
+
+    def train(self) -> dict[str, float]:
+        """setup, then the loop, then finish: what each worker runs."""
+        self.setup()
+        first, last = self.state.step + 1, self.state.step if self.stopped_early else self.cfg.train.max_steps
+        progress = Progress(first, last, enabled=self.ctx.is_main)
+        self.model.train()
+        for step in range(first, last + 1):
+            metrics = self.train_step()
+            self.step = step
+            if step == first:
+                self.startup.reached("first_step_done")
+                self.time_to_first_step = metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
+            if step % self.cfg.train.eval_every == 0 or step == last:
+                metrics |= self.evaluate()
+                self.stopped_early = self.rank_evaluation(step) and step != last
+            if step % self.cfg.train.log_every == 0 or "eval_loss" in metrics or step == first:
+                self.tracker.log_metrics(metrics, step)
+                progress.line(step, metrics)
+            if self.stopped_early:
+                break
+            if self.checkpoints and step % self.cfg.train.checkpoint_every == 0 and step != last:
+                self.save_checkpoint(step)
+        return self.finish()  # saves the last checkpoint, with the run's summary
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
+
+        The loss is the mean over every target token of the global batch (app/train/loss.py), so any worker
+        count and accumulation split takes the same step. Gradients are reduce-scattered once, after
+        the last micro-batch.
+        """
+        ctx, t0 = self.ctx, time.perf_counter()
+        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps)]
+        data_wait = time.perf_counter() - t0
+        global_tokens = global_target_tokens(micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for i, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss, token_loss = scaled_micro_batch_loss(self.model, batch, global_tokens, ctx.world_size,
+                                                      self.cfg.train.loss_chunk_tokens)
+            loss.backward()
+            loss_sum += token_loss
+        grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
+        learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches).to(ctx.device)]),
+                                 self._rows_per_source(micro_batches).to(ctx.device)])
+        dist.all_reduce(step_totals)  # global loss sum, non-pad token count, records of each source
+        loss_total, tokens, *source_rows, target_tokens, grad_norm = torch.cat(  # the step's one host sync
+            [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
+        self.train_loss = loss_total / target_tokens
+        seconds = time.perf_counter() - t0
+        self.meter.add(tokens, seconds, data_wait)
+        self.rows_per_source += torch.tensor(source_rows, dtype=torch.float64)
+        shares = {f"data_share/{name}": (rows / self.rows_per_source.sum()).item()
+                  for name, rows in zip(self.source_names, self.rows_per_source)}
+        return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
+                "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
+                "data_wait_seconds": data_wait, "step_tokens": tokens, "step_target_tokens": target_tokens, **shares}
+
+    def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
+        n = len(self.source_names)
+        if not n:
+            return torch.zeros(0, dtype=torch.float64)
+        return sum(b["records"].sum(0) for b in micro_batches).double()
+
+    def evaluate(self) -> dict[str, float]:
+        """Eval loss and perplexity; with eval.generation_rows, the task metrics of greedy answers (the
+        generations are kept: the final evaluation's become the sample table)."""
+        cfg = self.cfg
+        figures = eval_metrics(evaluate_loss(self.model, self.eval_pass, self.ctx, cfg.train.loss_chunk_tokens))
+        if cfg.eval.generation_rows:
+            self.generations = generation_table(self.model, self.eval_pass(), self.tokenizer,
+                                                cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
+            figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
+        self.eval_loss, self.eval_figures = figures["eval_loss"], figures
+        return figures
+
+    def rank_evaluation(self, step: int) -> bool:
+        """Keep the best evaluation by train.best_metric (with train.export=best, its adapter weights: a
+        collective, taken on every rank alike since the figures are reduced over all ranks); True when
+        train.early_stopping_patience evaluations in a row have not beaten it."""
+        if self.best.update(step, self.eval_figures) and self.cfg.train.export == "best":
+            self.best_adapter = gather_trainable_state(self.model)
+        return self.best.patience_spent
+
+    def sample_table(self) -> dict[str, list] | None:
+        """`train.sample_prompts` generations: the final evaluation's, with each row's task scores, when it
+        decoded that many (eval.generation_rows); else decoded now."""
+        cfg, count = self.cfg, self.cfg.train.sample_prompts
+        if not count:
+            return None
+        if cfg.eval.generation_rows >= count:
+            table = {column: values[:count] for column, values in self.generations.items()}
+            return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
+        return generation_table(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
+                                cfg.train.sample_max_new_tokens, self.ctx.device)
+
+    def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
+        """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
+        reads it from Ray Train, not from MLflow)."""
+        position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
+                                self.scheduler.state_dict(), self.state.initial_eval_loss, self.train_loss,
+                                self.best.state(), self.stopped_early)
+        t_save = time.perf_counter()
+        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,
+                                                            self.best_adapter),
+                              {"step": step, "train_loss": self.train_loss, **(summary or {})})
+        self.tracker.log_metrics({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
+
+    def finish(self) -> dict[str, float]:
+        """Every collective first (final eval, sample decoding, adapter gather, peak memory, the last
+        checkpoint), then rank 0 writes the adapter to the run directory and only then uploads: a slow
+        tracking server never holds other ranks in a collective."""
+        cfg, ctx = self.cfg, self.ctx
+        if self.eval_loss is None:  # resumed from the final checkpoint: nothing trained in this attempt
+            self.evaluate()
+        samples = self.sample_table()  # every rank decodes in lockstep
+        last_weights = gather_trainable_state(self.model)
+        adapter_state = self.best_adapter if cfg.train.export == "best" and self.best_adapter else last_weights
+        summary = {"steps": self.step, "final_train_loss": self.train_loss,
+                   "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
+                   **{f"final_{k}": v for k, v in self.eval_figures.items() if k not in eval_metrics(0.0)},
+                   **self.meter.summary(), "time_to_first_step_seconds": self.time_to_first_step,
+                   **self.startup.seconds,
+                   "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
+                   "worker_seconds": time.perf_counter() - self.started,
+                   "best_step": self.best.step, "best_value": self.best.value,
+                   "stopped_early": float(self.stopped_early)}
+        if self.checkpoints:
+            self.save_checkpoint(self.step, summary)
+        if ctx.is_main and self.run_dir is not None:
+            with tempfile.TemporaryDirectory(prefix="adapter-") as staged:
+                save_adapter(self.model, adapter_state, Path(staged), self.tokenizer, cfg.to_yaml())
+                self.run_dir.publish_adapter(Path(staged))
+                self.tracker.log_artifacts(Path(staged), "adapter")
+        if samples is not None:
+            self.tracker.log_table(samples, "eval/sample_generations.json")
+        # an attempt that trained no step (resumed to redo the export) has no throughput: nothing to overwrite
+        # (the start-up points were logged at step 0; the summary carries them to the driver)
+        finite = {k: v for k, v in summary.items()
+                  if v is not None and math.isfinite(v) and not k.startswith("startup_")}
+        self.tracker.log_metrics(finite, self.step, once_per_step=False)
+        return summary
+
+
+def schedule_name(lr_schedule: str, warmup_steps: int) -> str:
+    """transformers' name for the schedule: its plain `constant` ignores warm-up steps."""
+    return "constant_with_warmup" if lr_schedule == "constant" and warmup_steps else lr_schedule
+
+
+def _real_tokens(micro_batches: list[dict]) -> torch.Tensor:
+    """Tokens that are not padding: the throughput figure counts only these."""
+    return sum(b["length"].sum() for b in micro_batches).to(torch.float64)

@@ -1,0 +1,153 @@
+"""The recipe on a real 2-process gloo group, without Ray: batches are lists, checkpoints a directory.
+
+It learns, and a run restored from its step-4 checkpoint takes the same steps 5-8 as the
+uninterrupted run: the checkpoint holds everything a step depends on (LoRA weights, AdamW state, LR
+schedule, data position). Early stopping ends a run whose eval gets worse, restored or not, and the
+exported adapter is the best evaluation's.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.data.formatting import tokenize_rows
+from app.model.build import load_tokenizer
+from app.model.hardware import has_fast_bf16, resolve_dtype
+from app.runs.layout import RunDir
+from app.train.ranks import RankContext
+from app.train.recipe import FinetuneRecipe
+from tests.helpers import make_config, run_ranks
+
+STEPS = ["train.max_steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=4",
+         "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4", "train.sample_prompts=1",
+         "train.sample_max_new_tokens=4", "train.learning_rate=3e-3"]
+
+
+class DirectoryCheckpoints:
+    """Checkpoints as plain directories (what Ray Train does across nodes, here on one disk)."""
+
+    def __init__(self, root: Path, restore_from: Path | None = None):
+        self.root, self.restore_from = root, restore_from
+
+    def restore(self, load):
+        return load(self.restore_from) if self.restore_from else None
+
+    def save(self, write, metrics):
+        directory = self.root / f"step{metrics['step']}"
+        directory.mkdir(parents=True, exist_ok=True)
+        write(directory)
+
+
+class RecordingTracker:
+    logged_through = -1
+
+    def __init__(self):
+        self.metrics: dict[int, dict[str, float]] = {}
+        self.params: dict[str, str] = {}
+
+    def log_metrics(self, metrics, step, once_per_step=True):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def log_artifacts(self, local_dir, artifact_path): ...
+    def log_table(self, data, artifact_file): ...
+
+
+def _batches(rows: dict, rank: int, world: int, micro: int) -> list[dict]:
+    """Unpacked rows dealt to the ranks, as the pass coordinator hands them out (one data source)."""
+    mine = {k: torch.as_tensor(rows[k][rank::world]) for k in ("input_ids", "labels", "length")}
+    mine["records"] = torch.ones(len(mine["length"]), 1, dtype=torch.int64)
+    return [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, len(mine["length"]), micro)]
+
+
+def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: str):
+    cfg = make_config(Path(out), embedded, *overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    read = lambda path, n: [json.loads(line) for line in Path(path).read_text().splitlines()[:n]]  # noqa: E731
+    train_rows = tokenize_rows(read(cfg.data.train_path, 64), tokenizer, "auto", cfg.data.max_seq_len)
+    eval_rows = tokenize_rows(read(cfg.data.eval_path, 16), tokenizer, "auto", cfg.data.max_seq_len)
+    ctx = RankContext(rank, world, torch.device("cpu"))
+    train_pass = lambda epoch: _batches(train_rows, rank, world, cfg.train.micro_batch_size)  # noqa: E731
+    eval_pass = lambda: _batches(eval_rows, 0, 1, cfg.train.micro_batch_size)  # noqa: E731
+    return cfg, ctx, train_pass, eval_pass
+
+
+def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: str) -> None:
+    """The whole run, then the same run restored from its step-4 checkpoint."""
+    cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
+    results = {}
+    for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step4")):
+        tracker = RecordingTracker()
+        summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
+                                 DirectoryCheckpoints(Path(out) / name, restore_from),
+                                 RunDir(str(Path(out) / name))).train()
+        results[name] = {"summary": summary, "metrics": tracker.metrics, "params": tracker.params}
+    if rank == 0:
+        (Path(out) / "results.json").write_text(json.dumps(results))
+
+
+def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp_path):
+    run_ranks(_train_twice, 2, embedded, str(tmp_path), *STEPS)
+    results = json.loads((tmp_path / "results.json").read_text())
+    whole, restored = results["whole"], results["restored"]
+    loss = {int(step): m["train_loss"] for step, m in whole["metrics"].items() if "train_loss" in m}
+    assert sorted(loss) == list(range(1, 9))
+    assert whole["summary"]["final_eval_loss"] < 0.8 * whole["summary"]["initial_eval_loss"]
+    assert loss[8] < loss[1]
+
+    resumed = {int(step): m for step, m in restored["metrics"].items()}
+    assert resumed[4]["resumed_from_step"] == 4 and min(s for s in resumed if "train_loss" in resumed[s]) == 5
+    for step in range(5, 9):
+        assert resumed[step]["train_loss"] == pytest.approx(loss[step], rel=1e-6), step
+        assert resumed[step]["learning_rate"] == pytest.approx(whole["metrics"][str(step)]["learning_rate"])
+    assert restored["summary"]["final_eval_loss"] == pytest.approx(whole["summary"]["final_eval_loss"], rel=1e-6)
+    assert restored["summary"]["initial_eval_loss"] == whole["summary"]["initial_eval_loss"]
+    for name in ("whole", "restored"):
+        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").exists()
+        assert RunDir(str(tmp_path / name)).adapter_complete()
+    # the embedded config's `auto` dtypes resolve by this machine's hardware, and the choice is logged
+    expected = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
+    assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected}
+
+
+EARLY_STOP = ["train.max_steps=16", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=2",
+              "train.warmup_steps=0", "train.global_batch_size=16", "train.micro_batch_size=4",
+              "train.learning_rate=0.3", "train.lr_schedule=constant", "train.early_stopping_patience=2",
+              "train.export=best", "train.best_metric=eval_exact_match", "eval.generation_rows=6",
+              "eval.max_new_tokens=4", "eval.metrics=[exact_match, contains]",
+              "model.dtype=float32", "fsdp.param_dtype=float32"]  # the reload below computes in fp32 too
+
+
+def test_early_stopping_ends_a_run_whose_task_metric_stalls_and_exports_the_best_evaluation(embedded, tmp_path):
+    """The eval loss falls fast, but four steps cannot teach a random model to spell a number: exact
+    match stays 0, no evaluation beats step 0's, and two evaluations later (step 4) the run stops, restored
+    from its step-4 checkpoint or not. The exported adapter is step 0's: reloaded in plain PEFT it scores
+    the untrained eval loss, not the last step's."""
+    from peft import PeftModel
+
+    from app.model.build import load_base_model
+    from app.train.loss import summed_token_loss, target_token_count
+
+    run_ranks(_train_twice, 2, embedded, str(tmp_path), *EARLY_STOP)
+    results = json.loads((tmp_path / "results.json").read_text())
+    whole, restored = results["whole"], results["restored"]
+    summary = whole["summary"]
+    assert (summary["stopped_early"], summary["steps"], summary["best_step"], summary["best_value"]) == (1.0, 4, 0, 0.0)
+    for key in ("steps", "best_step", "best_value", "stopped_early"):
+        assert restored["summary"][key] == summary[key], key
+    evaluated = {int(step): m for step, m in whole["metrics"].items() if "eval_loss" in m}
+    assert sorted(evaluated) == [0, 2, 4]
+    assert all(0.0 <= m["eval_exact_match"] <= m["eval_contains"] <= 1.0 for m in evaluated.values())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5  # the last weights differ
+
+    cfg, ctx, _, eval_pass = _rank_inputs(0, 1, embedded, str(tmp_path), *EARLY_STOP)
+    for name in ("whole", "restored"):
+        model = PeftModel.from_pretrained(load_base_model(cfg.model), tmp_path / name / "adapter").eval()
+        with torch.no_grad():
+            total = sum(summed_token_loss(model, b).item() for b in eval_pass())
+        tokens = sum(target_token_count(b["labels"]).item() for b in eval_pass())
+        assert total / tokens == pytest.approx(summary["initial_eval_loss"], rel=1e-4), name

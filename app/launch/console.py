@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 
 # Lines that carry no information for the user of a job (each seen in a 2-worker run of the demo).
 RAY_NOISE = re.compile("|".join([
@@ -25,6 +26,8 @@ RAY_NOISE = re.compile("|".join([
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))
+# The workers' progress line (app/train/progress.py): printed as it is, without Ray's "(RayTrainWorker pid=...)".
+PROGRESS_LINE = re.compile(r"^step \d+/\d+ \| loss ")
 WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                     "MLFLOW_LOGGING_LEVEL": "WARNING", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
@@ -54,8 +57,12 @@ def filter_worker_output() -> None:
     """After ray.init: drop known noise from the worker output Ray prints on the driver.
 
     Ray prints worker lines through one handler of its stream dispatcher (no public hook exists); this
-    wraps that handler. A Python warning's second line (the source line) goes with its first.
+    wraps that handler. A Python warning's second line (the source line) goes with its first. Progress
+    lines go out bare; other worker lines keep Ray's prefix (which worker said it), without colour codes
+    where the output is not a terminal (`ray job logs`, a file).
     """
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:  # another Ray version: print everything rather than fail
@@ -72,7 +79,9 @@ def filter_worker_output() -> None:
                 drop_next_indented = False
                 continue
             drop_next_indented = bool(RAY_NOISE.search(line))
-            if not drop_next_indented:
+            if PROGRESS_LINE.match(line):
+                print(line, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
+            elif not drop_next_indented:
                 kept.append(line)
         if kept:
             print_lines({**data, "lines": kept})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -20,10 +19,12 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.config.paths import in_ray_job
 from app.config.schema import FinetuneConfig
-from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records, start_passes
+from app.data.coordinator import start_passes
+from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
 from app.errors import UserInputError
 from app.launch import console
 from app.launch.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
+from app.launch.summary import best_tags, job_summary
 from app.launch.worker import FAULT_ENV, WorkerLaunch, train_worker
 from app.model.embedded import ensure_embedded
 from app.model.sharding import process_group_backend
@@ -141,21 +142,25 @@ def log_model_quietly(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
         return {}
 
 
-def best_tags(cfg: FinetuneConfig, summary: dict) -> dict[str, str]:
-    """Tags that name the run's best evaluation (and which weights its adapter holds)."""
-    if summary.get("best_step") is None:
-        return {}
-    return {"best_metric": cfg.train.best_metric, "best_step": str(int(summary["best_step"])),
-            "best_value": f"{summary['best_value']:.6g}", "adapter_weights": cfg.train.export,
-            "stopped_early": str(bool(summary.get("stopped_early"))).lower()}
+def check_everything(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedInputs]:
+    """Step 1, before Ray: the embedded demo built if the config reads it, a hub model pinned to its
+    commit, every input checked; returns the config as the workers will read it."""
+    ensure_embedded(cfg)
+    cfg = pin_hub_revision(cfg)
+    inputs = check_inputs(cfg)
+    return with_loadable_model(cfg), inputs
 
 
-def startup_timeline(figures: dict, kind: str = "startup_seconds") -> dict[str, float]:
-    """The driver's and the workers' start-up points (kind: seconds from the job's start, or rank 0's
-    resident memory there), in the order they were reached."""
-    order = {k.split("/", 1)[1]: v for k, v in figures.items() if k.startswith("startup_seconds/")}
-    points = {k.split("/", 1)[1]: round(v, 2) for k, v in figures.items() if k.startswith(f"{kind}/") and v is not None}
-    return dict(sorted(points.items(), key=lambda kv: order.get(kv[0]) or 0))
+def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None) -> str:
+    """Step 3: a new MLflow run (recorded in the run directory), or the resumed one reopened."""
+    if run_to_continue is not None:
+        tracking.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg), cfg.model.revision)
+        return run_to_continue
+    run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                    "data.eval_rows": inputs.eval_rows},
+                                [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+    cfg.run_dir.write_record(run_id)
+    return run_id
 
 
 def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False) -> dict:
@@ -167,22 +172,13 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     """
     t0, job_start_time = time.perf_counter(), time.time()
     startup = StartupClock(job_start_time)
-    ensure_embedded(cfg)
-    cfg = pin_hub_revision(cfg)
-    inputs = check_inputs(cfg)
-    cfg = with_loadable_model(cfg)
+    cfg, inputs = check_everything(cfg)
     startup.reached("inputs_checked")
-    with claimed_run(cfg, resume) as run_id:
+    with claimed_run(cfg, resume) as run_to_continue:
         init_ray(verbose)
         check_placement(cfg)
         startup.reached("ray_ready")
-        if run_id is None:
-            run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
-                                                            "data.eval_rows": inputs.eval_rows},
-                                        [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
-            cfg.run_dir.write_record(run_id)
-        else:
-            tracking.reopen_run(cfg.mlflow.tracking_uri, run_id, run_tags(cfg), cfg.model.revision)
+        run_id = open_mlflow_run(cfg, inputs, run_to_continue)
         startup.reached("mlflow_run_ready")
         status = "FAILED"
         try:
@@ -191,38 +187,13 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
             startup.reached("data_ready")
             tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
             trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
-            summary = trainer.fit().metrics
+            metrics = trainer.fit().metrics
             status = "FINISHED"
-            tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, summary))
-            model = log_model_quietly(cfg, run_id, summary)
+            tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, metrics))
+            model = log_model_quietly(cfg, run_id, metrics)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
             status = "KILLED"
             raise
         finally:
-            recorded = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
-    summary = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in summary.items()}
-    return {
-        "mlflow_run_id": run_id,
-        "tracking_uri": cfg.mlflow.tracking_uri,
-        "experiment": cfg.mlflow.experiment,
-        "run_name": cfg.train.run_name,
-        "adapter_path": cfg.run_dir.adapter,
-        "steps": int(summary["steps"]),
-        "initial_eval_loss": summary["initial_eval_loss"],
-        "final_train_loss": summary["final_train_loss"],
-        "final_eval_loss": summary["final_eval_loss"],
-        **{k: v for k, v in summary.items() if k.startswith("final_eval_") and k != "final_eval_loss"},
-        "best": {"metric": cfg.train.best_metric, "step": summary.get("best_step"), "value": summary.get("best_value"),
-                 "exported": cfg.train.export == "best"},
-        "stopped_early": bool(summary.get("stopped_early")),
-        "tokens_per_second": summary["tokens_per_second_steady"],
-        "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
-        "startup_seconds": startup_timeline(startup.seconds | summary),
-        "startup_rss_gb": startup_timeline(summary, "startup_rss_gb"),
-        "data_wait_fraction": summary["data_wait_fraction"],
-        "step_seconds_mean_steady": summary["step_seconds_mean_steady"],
-        "peak_memory_gb": summary["peak_memory_gb_max_over_workers"],
-        "mlflow_synced": recorded,
-        **model,
-        "wall_seconds": round(time.perf_counter() - t0, 1),
-    }
+            mlflow_synced = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
+    return job_summary(cfg, run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)

@@ -15,7 +15,7 @@ import ray.train.torch
 
 from app.config.paths import export_credentials
 from app.config.schema import FinetuneConfig
-from app.data.pipeline import shard_batches
+from app.data.coordinator import shard_batches
 from app.tracking.logger import RunLogger
 from app.train.checkpoint import TrainerState
 from app.train.ranks import RankContext

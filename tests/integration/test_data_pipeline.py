@@ -11,9 +11,10 @@ import pytest
 import ray
 import torch
 
+from app.data.coordinator import shard_batches, start_pass_coordinator
 from app.data.formatting import IGNORE_INDEX
 from app.data.passes import pass_order, take_rows
-from app.data.pipeline import build_train_data, is_held_out, shard_batches, start_pass_coordinator
+from app.data.pipeline import build_train_data, is_held_out
 from app.data.sources import check_source, resolve_source
 from app.data.stream import ShardStream
 from app.model.embedded import number_in_words

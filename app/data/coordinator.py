@@ -1,0 +1,118 @@
+"""The pass coordinator: one actor that builds every pass over the training rows for all ranks.
+
+Each pass is built the same way for every rank (app/data/passes.py): each source's share of rows,
+shuffled together with the pass's seed, packed (app/data/packing.py) or one record per row, and dealt to
+the ranks in turn. The same seed, pass and worker count always give the same shards, so a restarted or
+resumed run sees the rest of an interrupted pass exactly once. `shard_batches` is the worker's side: its
+shard as micro-batches.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from app.config.schema import DataSection
+from app.data.packing import pack_rows, unpacked_rows
+from app.data.passes import PassPlan, deal, pass_records, take_rows
+from app.data.pipeline import TrainData
+from app.errors import UserInputError
+
+
+def shard_batches(table: pa.Table, batch_size: int):
+    """A shard's rows as micro-batches of numpy arrays (the last one may be smaller; every rank's shard has
+    the same number of rows, so every rank gets the same number of batches)."""
+    from ray.data.block import BlockAccessor
+
+    for start in range(0, table.num_rows, batch_size):
+        yield BlockAccessor.for_block(table.slice(start, batch_size)).to_numpy()
+
+
+@ray.remote(num_cpus=0)
+class PassCoordinator:
+    """Builds each pass once for all ranks (and the next one ahead), keeps the last two.
+
+    It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
+    its own process (an index permutation, packing, a gather per rank, put back in the object store): no
+    Ray task runs during training, so a cluster whose CPUs the training workers hold never starves it.
+    Created by the driver, it outlives restarted worker groups, which get the same shards again.
+    """
+
+    def __init__(self, blocks: list[list[ray.ObjectRef]], plan: PassPlan, pad_id: int, world_size: int,
+                 data: DataSection):
+        self.plan, self.pad_id, self.world_size, self.data = plan, pad_id, world_size, data
+        self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
+        self._lock = threading.Lock()
+        self._ready: dict[int, threading.Event] = {}
+        self._built: dict[int, list | BaseException] = {}
+        self._start(0)
+
+    def _start(self, epoch: int) -> threading.Event:
+        with self._lock:
+            if epoch not in self._ready:
+                self._ready[epoch] = threading.Event()
+                threading.Thread(target=self._build, args=(epoch,), daemon=True).start()
+            return self._ready[epoch]
+
+    def _build(self, epoch: int) -> None:
+        try:
+            rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
+            sources = len(self.plan.rows)
+            rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
+                    if self.data.packing else unpacked_rows(rows, sources))
+            if rows.num_rows < self.world_size:
+                raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
+                                     f"data.max_seq_len={self.data.max_seq_len}, fewer than scaling.num_workers="
+                                     f"{self.world_size}; add data, use fewer workers or set data.packing=false")
+            built = [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, self.world_size)]
+        except BaseException as e:  # handed to the rank that asks for this pass
+            built = e
+        with self._lock:
+            self._built[epoch] = built
+            self._ready[epoch].set()
+
+    def shard(self, epoch: int, rank: int) -> list:
+        """[a reference to this rank's rows of pass `epoch`] (in a list: Ray would resolve a bare one)."""
+        self._start(epoch).wait()
+        built = self._built[epoch]
+        if isinstance(built, BaseException):
+            raise built
+        self._start(epoch + 1)
+        with self._lock:  # a restarted worker group asking for an older pass again gets it rebuilt
+            for old in [e for e in self._built if e < epoch - 1]:
+                del self._built[old], self._ready[old]
+        return [built[rank]]
+
+    def first_pass_figures(self) -> dict[str, float]:
+        """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised
+        (the driver asks before any worker starts)."""
+        [ref] = self.shard(0, 0)
+        rows = ray.get(ref)
+        fill = pc.sum(rows.column("length")).as_py() / max(rows.num_rows * self.data.max_seq_len, 1)
+        return {"data_rows_per_worker_per_pass": rows.num_rows, "data_row_fill": fill}
+
+
+def start_pass_coordinator(train: TrainData, world_size: int, data: DataSection):
+    """On the driver's node: the job ends with it anyway, and so does a job whose coordinator dies
+    (`--resume` then continues exactly). Not restartable: Ray logs an error line for any restartable actor
+    given object references (ray issue 53727), and its token rows are references the driver owns."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return PassCoordinator.options(max_concurrency=world_size + 2, scheduling_strategy=here).remote(
+        [rows.to_arrow_refs() for rows in train.sources], train.plan, train.pad_id, world_size, data)
+
+
+def start_passes(train: TrainData, world_size: int, data: DataSection):
+    """(the pass coordinator, figures of its first pass); a pass that cannot be built fails here, in the
+    driver, with its one-line reason."""
+    coordinator = start_pass_coordinator(train, world_size, data)
+    try:
+        return coordinator, ray.get(coordinator.first_pass_figures.remote())
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, UserInputError):
+            raise e.cause from None
+        raise

@@ -1,0 +1,40 @@
+"""Ray stays at the edges: only the driver, the worker entry, the Ray Data side of the data pipeline and
+the Serve app import it. Everything else (the recipe, the model, the plain data modules, runs, tracking)
+is plain torch / transformers / PEFT / MLflow code that a unit test drives without a cluster."""
+
+import pkgutil
+import subprocess
+import sys
+
+import app
+
+RAY_MODULES = {
+    "app.launch.driver",  # ray.init, the TorchTrainer
+    "app.launch.worker",  # Ray Train's per-worker entry point
+    "app.launch.console",  # quiets Ray's own loggers
+    "app.data.pipeline",  # Ray Data: read, tokenize
+    "app.data.coordinator",  # the pass coordinator actor
+    "app.data.packing",  # writes Ray Data's tensor columns
+    "app.serve.server",  # Ray Serve
+}
+
+
+def all_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(app.__path__, "app.") if not m.ispkg)
+
+
+def test_the_allowlist_names_modules_that_exist():
+    assert RAY_MODULES <= set(all_modules())
+
+
+def test_no_module_outside_the_edges_imports_ray():
+    plain = [m for m in all_modules() if m not in RAY_MODULES]
+    assert {"app.train.recipe", "app.model.build", "app.data.formatting"} <= set(plain)
+    probe = ("import importlib, sys\n"
+             f"for name in {plain!r}:\n"
+             "    importlib.import_module(name)\n"
+             "    if 'ray' in sys.modules:\n"
+             "        print(name); break\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "", f"{result.stdout.strip()} imports ray"

@@ -22,7 +22,6 @@ RAY_NOISE = re.compile("|".join([
     r"Starting execution of Dataset", r"Execution plan of Dataset", r"Dataset \S+ execution finished",
     r"Registered dataset logger for dataset",
     r"`ExecutionOptions\.exclude_resources` is deprecated",  # Ray Train's own use of Ray Data
-    r"`is_gradient_checkpointing` is deprecated",  # PEFT's use of transformers
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))

@@ -7,6 +7,7 @@ second, not a cluster start.
 from __future__ import annotations
 
 import functools
+import getpass
 import json
 import os
 import sys
@@ -74,6 +75,9 @@ def check_placement(cfg: FinetuneConfig) -> None:
 def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
     return {
+        "mlflow.user": getpass.getuser(),  # the UI's "Created by" and "Source"
+        "mlflow.source.name": "jobs.finetune",
+        "mlflow.source.type": "JOB" if in_ray_job() else "LOCAL",
         "base_model": cfg.model.path,
         "base_model_revision": cfg.model.revision,
         "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or tracking.git_commit(),

@@ -8,6 +8,7 @@ when `model.trust_remote_code` is set.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,7 +100,9 @@ def apply_lora(base, lora: LoraSection, seed: int):
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
                         use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
                         bias="none")
-    return get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
+    with warnings.catch_warnings():  # PEFT 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -57,6 +57,7 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     assert run.data.params["lora.r"] == str(cfg.lora.r)
     assert run.data.params["scaling.num_workers"] == "2"
     assert run.data.tags["base_model"] == cfg.model.path
+    assert run.data.tags["mlflow.source.name"] == "jobs.finetune" and run.data.tags["mlflow.user"]
     losses = client.get_metric_history(run.info.run_id, "train_loss")
     assert sorted(m.step for m in losses) == list(range(1, 31))
     for name in ("learning_rate", "grad_norm", "tokens_per_second", "peak_memory_gb"):

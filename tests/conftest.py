@@ -41,5 +41,6 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
     from app.launch.driver import run_finetune
 
     cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference",
+                      "eval.generation_rows=100", "train.best_metric=eval_exact_match",
                       "mlflow.registered_model=reference-adapter")
     return cfg, run_finetune(cfg)

@@ -20,11 +20,11 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from app.launch.driver import run_finetune
-from tests.helpers import EMBEDDED_CONFIG, REPO, free_port, make_config
+from tests.helpers import EMBEDDED_CONFIG, NO_DECODING, REPO, free_port, make_config
 
 pytestmark = pytest.mark.e2e
 QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4", "train.log_every=1",
-         "train.sample_prompts=2", "train.sample_max_new_tokens=4"]
+         "train.sample_prompts=2", "train.sample_max_new_tokens=4", *NO_DECODING]
 
 
 def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:

@@ -25,6 +25,8 @@ RAY_NOISE = re.compile("|".join([
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
 ]))
+# Warnings Ray's own actors repeat on every poll (Ray Train's placement-group cleaner, once a node has left).
+ONCE_PER_JOB = re.compile(r"Failed to query Ray Train Controller actor state|Failed to query placement group table")
 # The workers' progress line (app/train/progress.py): printed as it is, without Ray's "(RayTrainWorker pid=...)".
 PROGRESS_LINE = re.compile(r"^step \d+/\d+ \| loss ")
 WORKER_ENV_QUIET = {"RAY_DATA_LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -69,24 +71,41 @@ def filter_worker_output() -> None:
     printers = [handler for name, handler in getattr(dispatcher, "handlers", []) if name == "ray_print_logs"]
     if not printers:
         return
-    print_lines = printers[0]
+    print_lines, sort_lines = printers[0], WorkerLines()
 
     def print_useful(data: dict) -> None:
-        kept, drop_next_indented = [], False
-        for line in data.get("lines", []):
-            if drop_next_indented and line.startswith(" "):
-                drop_next_indented = False
-                continue
-            drop_next_indented = bool(RAY_NOISE.search(line))
-            if PROGRESS_LINE.match(line):
-                print(line, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
-            elif not drop_next_indented:
-                kept.append(line)
+        bare, kept = sort_lines(data.get("lines", []))
+        for line in bare:
+            print(line, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
         if kept:
             print_lines({**data, "lines": kept})
 
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", print_useful)
+
+
+class WorkerLines:
+    """Sorts the lines workers wrote into (progress lines to print bare, lines to print with Ray's prefix);
+    noise is dropped, and a warning that Ray repeats on every poll is kept once per job."""
+
+    def __init__(self):
+        self.seen_once: set[str] = set()
+
+    def __call__(self, lines: list[str]) -> tuple[list[str], list[str]]:
+        bare, kept, drop_next_indented = [], [], False
+        for line in lines:
+            if drop_next_indented and line.startswith(" "):
+                drop_next_indented = False
+                continue
+            repeated = ONCE_PER_JOB.search(line)
+            drop_next_indented = bool(RAY_NOISE.search(line)) or bool(repeated and repeated[0] in self.seen_once)
+            if repeated:
+                self.seen_once.add(repeated[0])
+            if PROGRESS_LINE.match(line):
+                bare.append(line)
+            elif not drop_next_indented:
+                kept.append(line)
+        return bare, kept
 
 
 def worker_env(verbose: bool) -> dict[str, str]:

@@ -1,66 +1,40 @@
 """The Kubernetes manifests, the cluster-launcher YAML, the Dockerfile and the runtime env agree with
 the project: Ray and Python versions, the image, the job command and its config, token auth on,
-nothing exposed. No Kubernetes or cloud account here, so these are static checks; the launcher YAML
-goes through Ray's own schema validation."""
+nothing exposed, resources on every container, an MLflow user per Ray cluster (NetworkPolicies and
+pins have their own files beside this one). No Kubernetes or cloud
+account here, so these are static checks; the launcher YAML goes through Ray's own schema validation."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import sys
+import types
 from urllib.parse import urlparse
 
 import pytest
-import tomllib
 import yaml
+from mlflow.exceptions import RestException
 
 from app.config.schema import load_config
 from tests.helpers import REPO
-
-CLUSTER = REPO / "cluster"
-PINS = {re.split(r"[\[=]", d)[0]: d.split("==")[1] for d in
-        tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"] if "==" in d}
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-IMAGE = f"ghcr.io/your-org/ray-lora-fsdp:{VERSION}"
-
-
-def k8s_documents() -> dict[tuple[str, str], dict]:
-    docs = {}
-    for path in sorted((CLUSTER / "k8s").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            assert {"apiVersion", "kind", "metadata"} <= set(doc), path
-            docs[(doc["kind"], doc["metadata"]["name"])] = doc
-    return docs
-
-
-DOCS = k8s_documents()
-RAY_CLUSTER_SPECS = {"RayCluster": DOCS[("RayCluster", "lora-finetune")]["spec"],
-                     "RayJob": DOCS[("RayJob", "lora-finetune-llama31-8b")]["spec"]["rayClusterSpec"]}
-
-
-def containers(pod_template: dict) -> list[dict]:
-    return pod_template["spec"]["containers"]
-
-
-def all_containers(docs: dict) -> list[dict]:
-    found = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if "containers" in node and isinstance(node["containers"], list):
-                found.extend(node["containers"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-    walk(list(docs.values()))
-    return found
+from tests.unit.cluster.manifests import (
+    CLUSTER,
+    DOCS,
+    IMAGE,
+    PINS,
+    RAY_CLUSTER_SPECS,
+    RAY_CRS,
+    all_containers,
+    containers,
+    ray_templates,
+)
 
 
 def test_the_image_is_built_from_the_pinned_ray_for_this_python():
     base = re.search(r"^FROM (\S+)", (CLUSTER / "Dockerfile").read_text(), re.M).group(1)
-    assert base == f"rayproject/ray:{PINS['ray']}-py{sys.version_info.major}{sys.version_info.minor}-cu128"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert base.split("@")[0] == f"rayproject/ray:{PINS['ray']}-{python}-cu128"
 
 
 @pytest.mark.parametrize("kind", RAY_CLUSTER_SPECS)
@@ -71,7 +45,7 @@ def test_ray_clusters_run_the_project_image_with_token_auth_and_a_private_head(k
     assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-    assert {c["image"] for g in groups for c in containers(g["template"])} == {IMAGE}
+    assert {c["image"].split("@")[0] for g in groups for c in containers(g["template"])} == {IMAGE}
     for group in spec["workerGroupSpecs"]:
         [worker] = containers(group["template"])
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == worker["resources"]["requests"]["nvidia.com/gpu"]
@@ -99,29 +73,17 @@ def test_the_rayjob_runs_a_valid_config_that_fits_its_cluster_and_logs_to_the_ml
 def test_the_mlflow_server_logs_users_in_and_keeps_its_secrets_out_of_argv():
     [server] = containers(DOCS[("Deployment", "mlflow")]["spec"]["template"])
     args = " ".join(server["command"] + server["args"])
-    assert server["image"] == IMAGE and "--serve-artifacts" in args and "--artifacts-destination=s3://" in args
+    assert server["image"].split("@")[0] == IMAGE
+    assert "--serve-artifacts" in args and "--artifacts-destination=s3://" in args
     assert "--app-name=basic-auth" in args  # MLflow's login: jobs as an edit-rights user, people as admin
     assert "$(" not in args and "backend-store-uri" not in args  # Kubernetes would expand a secret into argv
     env = {e["name"]: e for e in server["env"]}
     assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-db"
     assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-auth"
     for spec in RAY_CLUSTER_SPECS.values():
-        for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
+        for template in ray_templates(spec):
             ray_env = {e["name"]: e for e in containers(template)[0]["env"]}
-            assert ray_env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-jobs-user"
             assert ray_env["FINETUNE_STORAGE"]["value"] == "/mnt/shared"  # runs never land in a job's working dir
-
-
-def test_network_policies_let_only_ray_reach_mlflow_and_only_mlflow_reach_postgres():
-    to_mlflow = DOCS[("NetworkPolicy", "mlflow-from-ray-only")]["spec"]
-    assert to_mlflow["podSelector"]["matchLabels"] == {"app": "mlflow"}
-    to_postgres = DOCS[("NetworkPolicy", "postgres-from-mlflow-only")]["spec"]
-    assert to_postgres["podSelector"]["matchLabels"] == {"app": "mlflow-postgres"}
-    assert to_postgres["policyTypes"] == ["Ingress"]
-    assert to_postgres["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "mlflow"}}}],
-                                       "ports": [{"port": 5432, "protocol": "TCP"}]}]
-    postgres = DOCS[("StatefulSet", "mlflow-postgres")]["spec"]["template"]["metadata"]["labels"]
-    assert postgres == {"app": "mlflow-postgres"}
 
 
 def pod_specs(node) -> list[dict]:
@@ -152,6 +114,75 @@ def test_every_pod_runs_unprivileged_with_no_service_account_token():
                                                     "capabilities": {"drop": ["ALL"]}}, container["name"]
 
 
+def test_every_container_requests_cpu_and_memory_and_has_a_memory_limit():
+    found = all_containers(DOCS)
+    for container in found:
+        resources = container.get("resources") or {}
+        assert {"cpu", "memory"} <= set(resources.get("requests") or {}), f"{container['name']}: requests"
+        assert "memory" in (resources.get("limits") or {}), f"{container['name']}: memory limit"
+    assert {"postgres", "create-users", "ray-job-submitter"} <= {c["name"] for c in found}
+    for spec in RAY_CLUSTER_SPECS.values():  # the autoscaler container KubeRay adds to an autoscaling head
+        if spec.get("enableInTreeAutoscaling"):
+            options = spec["autoscalerOptions"]
+            assert {"cpu", "memory"} <= set(options["resources"]["requests"])
+            assert "memory" in options["resources"]["limits"]
+            assert options["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_each_ray_cluster_logs_in_to_mlflow_as_its_own_user_created_by_the_bootstrap_job(monkeypatch, tmp_path):
+    for name, spec in RAY_CRS.items():
+        secret = f"mlflow-user-{name}"  # the convention: one Secret, one MLflow user, per RayCluster or RayJob
+        for template in ray_templates(spec):
+            ray_env = {e["name"]: e for e in containers(template)[0]["env"]}
+            for var, key in (("MLFLOW_TRACKING_USERNAME", "username"), ("MLFLOW_TRACKING_PASSWORD", "password")):
+                assert ray_env[var]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}, (name, var)
+            assert "mlflow-auth" not in str(template), f"{name}: the admin's secret on a Ray pod"
+    job = DOCS[("Job", "mlflow-create-users")]["spec"]
+    [volume] = [v for v in job["template"]["spec"]["volumes"] if v["name"] == "users"]
+    sources = {s["secret"]["name"]: s["secret"]["items"] for s in volume["projected"]["sources"]}
+    assert sources == {f"mlflow-user-{name}": [{"key": "username", "path": f"{name}/username"},
+                                               {"key": "password", "path": f"{name}/password"}] for name in RAY_CRS}
+    [creator] = containers(job["template"])
+    env = {e["name"]: e for e in creator["env"]}
+    [mount] = [m for m in creator["volumeMounts"] if m["name"] == "users"]
+    assert env["MLFLOW_USERS_DIR"]["value"] == mount["mountPath"]
+    job_config = shlex.split(DOCS[("RayJob", "lora-finetune-llama31-8b")]["spec"]["entrypoint"])
+    assert "mlflow.experiment=lora-finetune-llama31-8b" in job_config  # its user creates, so manages, its experiment
+
+    # The script itself, against a stand-in for MLflow's AuthServiceClient: new users are created, existing
+    # ones get the Secret's password (a rotation), any other error fails the Job.
+    users = {"lora-finetune": "old"}
+
+    class Client:
+        def __init__(self, uri):
+            assert uri == "http://mlflow:5000"
+
+        def create_user(self, username, password):
+            if username == "broken":
+                raise RestException({"error_code": "PERMISSION_DENIED", "message": "no"})
+            if username in users:
+                raise RestException({"error_code": "RESOURCE_ALREADY_EXISTS", "message": "exists"})
+            users[username] = password
+
+        def update_user_password(self, username, password):
+            users[username] = password
+
+    monkeypatch.setitem(sys.modules, "mlflow.server.auth.client", types.SimpleNamespace(AuthServiceClient=Client))
+    for name in RAY_CRS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "username").write_text(name)
+        (tmp_path / name / "password").write_text(f"pw-{name}")
+    monkeypatch.setenv("MLFLOW_USERS_DIR", str(tmp_path))
+    script = creator["args"][0]
+    exec(compile(script, "mlflow-create-users", "exec"), {})
+    assert users == {name: f"pw-{name}" for name in RAY_CRS}
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "username").write_text("broken")
+    (tmp_path / "broken" / "password").write_text("x")
+    with pytest.raises(RestException):
+        exec(compile(script, "mlflow-create-users", "exec"), {})
+
+
 def test_nothing_is_exposed_and_no_secret_is_written_in_a_manifest():
     for (kind, name), doc in DOCS.items():
         assert kind != "Secret", f"{name}: create secrets with kubectl, never commit them"
@@ -168,7 +199,7 @@ def test_the_cluster_launcher_yaml_passes_rays_schema_and_keeps_the_dashboard_pr
 
     config = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
     validate_config(prepare_config(config))
-    assert config["docker"]["image"] == IMAGE
+    assert config["docker"]["image"].split("@")[0] == IMAGE
     assert "--env RAY_AUTH_MODE=token" in config["docker"]["run_options"]
     assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
     assert "~/.ray/auth_token" in config["file_mounts"]

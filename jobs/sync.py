@@ -25,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run_name}"])
-        from app.tracking.journal import sync_run
+        from app.tracking.journal import Journal
+        from app.tracking.logger import bound_http_calls
 
-        sent = sync_run(cfg.run_dir, cfg.mlflow.tracking_uri)
+        bound_http_calls()
+        sent = Journal(cfg.run_dir).sync(cfg.mlflow.tracking_uri)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

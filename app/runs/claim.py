@@ -1,42 +1,203 @@
-"""The driver's hold on a run directory: one writer at a time, a new run never reusing a directory, a
-resumed run finding its own.
+"""The hold on a run directory: one writer at a time, a new run never reusing a directory, a resumed run
+finding its own.
 
-The claim is taken before the MLflow run is created, so of two jobs started with one run name (two
-`--resume X` at once, or two new runs racing) the second stops with one line and leaves nothing behind.
-A claim whose process has ended (killed with SIGKILL, say) is taken over by the next job.
+The claim (`writer.json`, naming the job) is taken before the MLflow run is created, so of two jobs
+started with one run name (two `--resume X` at once, or two new runs racing) the second stops with one
+line and leaves nothing behind. A claim whose job is gone is stale and taken over by the next job:
+- made on this host: its process has ended (pid and start time, so a reused pid does not count);
+- made on another host (a pod restarted under another name, a lost node): its owner renews it every
+  LEASE_SECONDS / 10 while it runs, so one not renewed for LEASE_SECONDS has no owner left;
+- empty or not JSON (a full disk, or a crash between create and write): once older than
+  UNREADABLE_GRACE_SECONDS; a younger one may be a claim being written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from app.config.paths import ray_job_id
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
-from app.runs.layout import RunBusy
+from app.runs.layout import WRITER_CLAIM, RunDir
+
+log = logging.getLogger(__name__)
+LEASE_SECONDS = 600.0
+UNREADABLE_GRACE_SECONDS = 60.0
+
+
+class RunBusy(Exception):
+    """Another job is writing the run."""
+
+    def __init__(self, owner: dict):
+        super().__init__(owner)
+        self.owner = owner
 
 
 def this_process() -> dict:
-    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata", {}).get("job_submission_id")
+    """The owner of a claim this process takes."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time(),
-            "ray_job": job, "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "ray_job": ray_job_id(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def claim_is_live(claim: dict) -> bool:
-    """A claim made on this host is live while its process is; one from another host is assumed live
-    (its owner cannot be checked from here)."""
-    if claim.get("host") != socket.gethostname():
-        return True
+@dataclass(frozen=True)
+class Claim:
+    """writer.json as read: its owner ({} when the file is empty or not JSON), when it was last written
+    or renewed (its mtime), and what tells this file apart from any later claim."""
+
+    owner: dict
+    written: float
+    version: tuple
+
+    def is_live(self) -> bool:
+        age = time.time() - self.written
+        if not self.owner:
+            return age < UNREADABLE_GRACE_SECONDS
+        if self.owner.get("host") != socket.gethostname():
+            return age < LEASE_SECONDS
+        try:
+            return abs(psutil.Process(self.owner["pid"]).create_time() - self.owner["started"]) < 1.0
+        except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
+            return False
+
+
+def _owner(text: str) -> dict:
     try:
-        return abs(psutil.Process(claim["pid"]).create_time() - claim["started"]) < 1.0
-    except (psutil.NoSuchProcess, KeyError, TypeError):
-        return False
+        owner = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _read_local(file: str) -> Claim | None:
+    try:
+        with open(file, "rb") as f:
+            stat, text = os.fstat(f.fileno()), f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    return Claim(_owner(text), stat.st_mtime, (stat.st_ino, stat.st_mtime_ns, stat.st_size, text))
+
+
+class RunClaim:
+    """The run directory's one-writer claim.
+
+    Local disks create it atomically (O_EXCL), and a stale one is set aside by a rename, which only one of
+    several jobs taking it over can do. Object stores have no create-if-absent here: the claim is written,
+    then read back after a moment, and the later of two racing jobs sees the other's claim and stops."""
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self.file = run_dir.path(WRITER_CLAIM)
+
+    def current(self) -> Claim | None:
+        """The claim now; None when there is none."""
+        if self.run_dir.is_local:
+            return _read_local(self.file)
+        try:
+            text, written = self.run_dir.read_text(WRITER_CLAIM), self.run_dir.modified(WRITER_CLAIM)
+        except FileNotFoundError:
+            return None
+        return Claim(_owner(text), written, (written, text))
+
+    def take(self, owner: dict) -> None:
+        """Become the run's only writer, or raise RunBusy naming the job that is."""
+        current = self.current()
+        if current is not None:
+            if current.is_live():
+                raise RunBusy(current.owner)
+            self._retire(current)
+        text = json.dumps(owner)
+        if not self.run_dir.is_local:
+            self.run_dir.write_text(text, WRITER_CLAIM)
+            time.sleep(1.0)
+            if self._owner_now() != owner:
+                raise RunBusy(self._owner_now())
+            return
+        Path(self.run_dir.root).mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:  # another job claimed first (one that took over the same stale claim, say)
+            raise RunBusy(self._owner_now()) from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)  # one small write: readers give an empty claim UNREADABLE_GRACE_SECONDS
+        except OSError:
+            os.remove(self.file)  # a full disk, say: no empty claim is left to wait out
+            raise
+
+    def _retire(self, stale: Claim) -> None:
+        """Set a stale claim aside. Locally by an atomic rename, so that of two jobs taking over the same
+        stale claim only one moves it (both then race to create theirs, and O_EXCL lets one win); a claim
+        made meanwhile, moved by mistake, is put back and stands."""
+        if not self.run_dir.is_local:
+            if self.current() == stale:
+                self.run_dir.delete(WRITER_CLAIM)
+            return
+        try:
+            now = os.stat(self.file)
+            if (now.st_ino, now.st_mtime_ns, now.st_size) != stale.version[:3]:
+                return  # retired and claimed again by another job: O_EXCL decides between us
+            aside = f"{self.file}.stale-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}"
+            os.rename(self.file, aside)
+        except FileNotFoundError:
+            return  # retired by another job
+        if _read_local(aside) != stale:
+            try:
+                os.link(aside, self.file)  # back where it was, and never over a claim made meanwhile
+            except FileExistsError:
+                log.error("%s: a claim made while a stale one was set aside was displaced by a third job's; "
+                          "both jobs may write the run", self.file)
+        os.remove(aside)
+
+    def _owner_now(self) -> dict:
+        current = self.current()
+        return current.owner if current else {}
+
+    def renew(self, owner: dict) -> bool:
+        """Refresh the lease of `owner`'s claim (its mtime); False once the claim is not its own."""
+        current = self.current()
+        if current is None or current.owner != owner:
+            return False
+        if self.run_dir.is_local:
+            os.utime(self.file)
+        else:
+            self.run_dir.write_text(json.dumps(owner), WRITER_CLAIM)
+        return True
+
+    def release(self, owner: dict) -> None:
+        if self._owner_now() == owner:
+            self.run_dir.delete(WRITER_CLAIM)
+
+    @contextmanager
+    def lease(self, owner: dict):
+        """Hold the taken claim for the block: renewed from a daemon thread, released at the end."""
+        done = threading.Event()
+        renewer = threading.Thread(target=self._renew_until, args=(owner, done), name="run-claim-lease", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            renewer.join()
+            self.release(owner)
+
+    def _renew_until(self, owner: dict, done: threading.Event) -> None:
+        while not done.wait(LEASE_SECONDS / 10):
+            try:
+                if not self.renew(owner):
+                    log.error("%s: this job's claim on the run was taken over by another job", self.file)
+                    return
+            except OSError as e:  # the storage is slow or away: the next renewal may land
+                log.warning("%s: the claim was not renewed (%s)", self.file, e)
 
 
 @contextmanager
@@ -45,28 +206,35 @@ def claimed_run(cfg: FinetuneConfig, resume: bool):
 
     The run is checked before the claim (a mistake writes nothing) and again once it is held (another
     job may have started the run meanwhile)."""
-    run_dir, owner = cfg.run_dir, this_process()
-    current = run_dir.writer()
-    if current is not None and claim_is_live(current):
-        raise _busy(cfg, current)
+    run_dir, claim, owner = cfg.run_dir, RunClaim(cfg.run_dir), this_process()
+    current = claim.current()
+    if current is not None and current.is_live():
+        raise _busy(cfg, current.owner)
     _run_to_continue(cfg, resume)
     try:
-        run_dir.claim(owner, claim_is_live)
+        claim.take(owner)
     except RunBusy as busy:
-        raise _busy(cfg, busy.claim) from None
+        raise _busy(cfg, busy.owner) from None
     try:
-        yield _run_to_continue(cfg, resume)
+        with claim.lease(owner):
+            yield _run_to_continue(cfg, resume)
     finally:
-        run_dir.release(owner)
         if run_dir.is_local and not any(Path(run_dir.root).iterdir()):
             Path(run_dir.root).rmdir()  # claimed, then stopped before anything was written
 
 
-def _busy(cfg: FinetuneConfig, claim: dict) -> UserInputError:
-    job = claim.get("ray_job") or f"pid {claim.get('pid')} on {claim.get('host')}"
-    return UserInputError(f"train.run_name={cfg.train.run_name}: another job ({job}, since {claim.get('since')}) "
-                          f"is writing {cfg.run_dir.root}; wait for it, or stop it (if it is gone without "
-                          "ending, delete its writer.json there)")
+def describe_owner(owner: dict) -> str:
+    """The job a claim names, for a message."""
+    if not owner:
+        return f"unknown: its {WRITER_CLAIM} is empty or unreadable, taken over at {UNREADABLE_GRACE_SECONDS:g} s old"
+    job = owner.get("ray_job") or f"pid {owner.get('pid')} on {owner.get('host')}"
+    return f"{job}, since {owner.get('since')}"
+
+
+def _busy(cfg: FinetuneConfig, owner: dict) -> UserInputError:
+    return UserInputError(f"train.run_name={cfg.train.run_name}: another job ({describe_owner(owner)}) is writing "
+                          f"{cfg.run_dir.root}; wait for it, or stop it (if it is gone without ending, delete "
+                          f"its {WRITER_CLAIM} there)")
 
 
 def _run_to_continue(cfg: FinetuneConfig, resume: bool) -> str | None:

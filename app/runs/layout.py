@@ -4,14 +4,15 @@
         mlflow.db, mlartifacts/            the local MLflow store (when no tracking server is configured)
         <run_name>/                        one run: Ray Train's run folder (RunConfig(name, storage_path))
             run.json                       which MLflow run this directory belongs to (what --resume continues)
-            writer.json                    the job writing the run now: claimed atomically, released at its end
+            writer.json                    the job writing the run now (app/runs/claim.py): released at its end
             checkpoint_*/                  sharded training checkpoints, written and pruned by Ray Train
             adapter/                       the exported PEFT adapter; complete once adapter/COMPLETE exists
+                finetune_config.yaml       the config of the run that trained it
             samples.json                   the sample generations table
-            unsent.jsonl                   what the tracking server did not take (`python -m jobs.sync` sends it)
+            unsent.jsonl                   what the tracking server did not take (app/tracking/journal.py)
 
-Files are read and written through pyarrow's filesystems, the ones Ray Train uses for checkpoints, so a
-URI output directory holds all of it.
+Every other module names these files through the constants below. Files are read and written through
+pyarrow's filesystems, the ones Ray Train uses for checkpoints, so a URI output directory holds all of it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-ADAPTER_COMPLETE = "COMPLETE"
+RUN_RECORD = "run.json"
+WRITER_CLAIM = "writer.json"
+ADAPTER = "adapter"
+ADAPTER_COMPLETE = "COMPLETE"  # in adapter/
+ADAPTER_RUN_CONFIG = "finetune_config.yaml"  # in adapter/
+SAMPLES = "samples.json"
+JOURNAL = "unsent.jsonl"
 
 
 def is_uri(location: str) -> bool:
@@ -72,7 +79,20 @@ class RunDir:
 
     @property
     def adapter(self) -> str:
-        return self.path("adapter")
+        return self.path(ADAPTER)
+
+    def holds(self, relative: str) -> bool:
+        """Whether `relative` names a place inside the run directory: not absolute, no `..`, and on a
+        local disk no symbolic link (at it, or in the folder it names) leading out."""
+        if not relative or relative.startswith("/") or "://" in relative or ".." in relative.split("/"):
+            return False
+        if not self.is_local:
+            return True
+        root, target = Path(self.root).resolve(), Path(self.path(relative))
+        inside = [target]
+        for folder, names, files in os.walk(target):
+            inside += [Path(folder, name) for name in names + files]
+        return all(p.resolve().is_relative_to(root) for p in inside)
 
     # -- plain file access, local or remote -----------------------------------------------------------
 
@@ -95,15 +115,28 @@ class RunDir:
         with filesystem.open_output_stream(where) as f:
             f.write(text.encode())
 
+    def modified(self, *parts: str) -> float:
+        """When the file was last written, in seconds since the epoch."""
+        filesystem, where = self._where(*parts)
+        info = filesystem.get_file_info(where)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(where)
+        return info.mtime.timestamp()
+
     def append_lines(self, lines: list[str], *parts: str) -> None:
-        """Appended where the filesystem can append; rewritten whole on object stores."""
+        """Appended where the filesystem can append; rewritten whole on object stores. A last line left
+        unfinished (by a crash) is ended first, so that it spoils no new line."""
+        text = "".join(line + "\n" for line in lines)
         if self.is_local:
             Path(self.path(*parts)).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path(*parts), "a") as f:
-                f.writelines(line + "\n" for line in lines)
+            with open(self.path(*parts), "a+b") as f:  # opened at the end; writes always go there
+                if f.tell():
+                    f.seek(f.tell() - 1)
+                    text = ("" if f.read(1) == b"\n" else "\n") + text
+                f.write(text.encode())
             return
         before = self.read_text(*parts) if self.exists(*parts) else ""
-        self.write_text(before + "".join(line + "\n" for line in lines), *parts)
+        self.write_text(before + ("\n" if before and not before.endswith("\n") else "") + text, *parts)
 
     def delete(self, *parts: str) -> None:
         filesystem, where = self._where(*parts)
@@ -124,87 +157,27 @@ class RunDir:
     # -- the run record ----------------------------------------------------------------------------------
 
     def write_record(self, mlflow_run_id: str) -> None:
-        self.write_text(json.dumps({"mlflow_run_id": mlflow_run_id}), "run.json")
+        self.write_text(json.dumps({"mlflow_run_id": mlflow_run_id}), RUN_RECORD)
 
     def has_record(self) -> bool:
-        return self.exists("run.json")
+        return self.exists(RUN_RECORD)
 
     def recorded_mlflow_run_id(self) -> str:
-        return json.loads(self.read_text("run.json"))["mlflow_run_id"]
-
-    # -- one writer at a time ------------------------------------------------------------------------------
-
-    def claim(self, owner: dict, still_running) -> None:
-        """Become the run's only writer, or raise RunBusy naming the job that is. A claim whose job has
-        ended (`still_running(claim)` is False: killed, its node lost) is taken over.
-
-        Local disks create the claim atomically (O_EXCL). Object stores have no create-if-absent here:
-        the claim is written, then read back after a moment, and the later of two racing jobs sees the
-        other's claim and stops."""
-        current = self.writer()
-        if current is not None:
-            if still_running(current):
-                raise RunBusy(current)
-            self._retire_claim(current)
-        text = json.dumps(owner)
-        if self.is_local:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(self.path("writer.json"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                raise RunBusy(self.writer() or {}) from None
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            return
-        self.write_text(text, "writer.json")
-        time.sleep(1.0)
-        if self.writer() != owner:
-            raise RunBusy(self.writer() or {})
-
-    def _retire_claim(self, stale: dict) -> None:
-        """Set a dead writer's claim aside. Locally by an atomic rename, so that of two jobs taking over the
-        same stale claim only one succeeds (the other then meets the winner's new claim)."""
-        if not self.is_local:
-            self.delete("writer.json")
-            return
-        aside = self.path(f"writer.json.stale-{os.getpid()}-{time.time_ns()}")
-        try:
-            os.rename(self.path("writer.json"), aside)
-        except FileNotFoundError:
-            raise RunBusy(self.writer() or stale) from None
-        if json.loads(Path(aside).read_text()) != stale:  # a fresh claim was moved by mistake: put it back
-            os.rename(aside, self.path("writer.json"))
-            raise RunBusy(self.writer() or stale)
-        os.remove(aside)
-
-    def writer(self) -> dict | None:
-        """The current claim; None only when there is none (an unreadable claim is not taken for none)."""
-        if not self.exists("writer.json"):
-            return None
-        try:
-            return json.loads(self.read_text("writer.json"))
-        except FileNotFoundError:
-            return None
-        except json.JSONDecodeError:
-            return {"host": "?", "pid": None, "since": "unreadable writer.json"}
-
-    def release(self, owner: dict) -> None:
-        if self.writer() == owner:
-            self.delete("writer.json")
+        return json.loads(self.read_text(RUN_RECORD))["mlflow_run_id"]
 
     # -- the adapter: written whole or not at all ------------------------------------------------------------
 
     def adapter_complete(self) -> bool:
-        return self.exists("adapter", ADAPTER_COMPLETE)
+        return self.exists(ADAPTER, ADAPTER_COMPLETE)
 
     def publish_adapter(self, local_folder: Path) -> None:
         """Copy a finished adapter folder to `adapter/` in one step: a rename on local disks; on object
         stores an upload with the COMPLETE marker last. A partial adapter left by a crash is replaced."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         if self.is_local:
-            for leftover in Path(self.root).glob("adapter.partial-*"):  # from an export that was interrupted
+            for leftover in Path(self.root).glob(f"{ADAPTER}.partial-*"):  # from an export that was interrupted
                 shutil.rmtree(leftover, ignore_errors=True)
-            partial = Path(self.path(f"adapter.partial-{os.getpid()}"))
+            partial = Path(self.path(f"{ADAPTER}.partial-{os.getpid()}"))
             shutil.copytree(local_folder, partial)
             (partial / ADAPTER_COMPLETE).write_text(stamp)
             _readable_as_umask_allows(partial)  # the staging folder was private to this process
@@ -212,13 +185,13 @@ class RunDir:
                 shutil.rmtree(self.adapter)
             os.rename(partial, self.adapter)
             return
-        self.delete("adapter")
-        filesystem, where = self._where("adapter")
+        self.delete(ADAPTER)
+        filesystem, where = self._where(ADAPTER)
         filesystem.create_dir(where, recursive=True)
         for file in sorted(local_folder.iterdir()):
             pafs.copy_files(str(file), f"{where}/{file.name}", source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=filesystem)
-        self.write_text(stamp, "adapter", ADAPTER_COMPLETE)
+        self.write_text(stamp, ADAPTER, ADAPTER_COMPLETE)
 
     def local_copy(self, *parts: str) -> tuple[str, tempfile.TemporaryDirectory | None]:
         """A local path holding `parts` (the path itself for a local run; a downloaded copy otherwise)."""
@@ -243,10 +216,3 @@ def _readable_as_umask_allows(folder: Path) -> None:
     for file in folder.iterdir():
         file.chmod(0o666 & ~umask)
 
-
-class RunBusy(Exception):
-    """Another job is writing the run."""
-
-    def __init__(self, claim: dict):
-        super().__init__(claim)
-        self.claim = claim

@@ -3,8 +3,8 @@
 Metrics and params are queued and sent in batches by a background thread; the training loop only
 appends to the queue. While the server is unreachable the thread retries the oldest batch. End-of-run
 uploads (the adapter, the sample table) are tried a bounded number of times. Whatever could not be sent
-is written to the run directory's journal (`unsent.jsonl`), which `python -m jobs.sync` replays once the
-server is back: nothing is lost, and no MLflow call ever runs while other ranks wait in a collective.
+is written to the run directory's journal (app/tracking/journal.py), which `python -m jobs.sync` replays
+once the server is back: nothing is lost, and no MLflow call ever runs while other ranks wait in a collective.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from app.runs.layout import RunDir
+from app.runs.layout import SAMPLES, RunDir
+from app.tracking.journal import Journal
 
 log = logging.getLogger(__name__)
 MAX_PARAM_CHARS = 6000
-JOURNAL = "unsent.jsonl"
-SAMPLES = "samples.json"
 
 
 def bound_http_calls() -> None:
@@ -42,15 +41,12 @@ class _Batch:
     metrics: list[Metric] = field(default_factory=list)
     params: list[Param] = field(default_factory=list)
 
-    def journal_lines(self) -> list[str]:
-        return ([json.dumps({"metric": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp})
-                 for m in self.metrics] + [json.dumps({"param": p.key, "value": p.value}) for p in self.params])
-
 
 class RunLogger:
     def __init__(self, tracking_uri: str, run_id: str, run_dir: RunDir | None = None, retry_seconds: float = 2.0):
         bound_http_calls()
         self.client, self.run_id, self.run_dir = MlflowClient(tracking_uri), run_id, run_dir
+        self.journal = Journal(run_dir) if run_dir is not None else None
         self.retry_seconds, self.failures, self._failing_in_a_row = retry_seconds, 0, 0
         self._logged_through: int | None = None  # found by the sender before it sends anything
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
@@ -74,15 +70,15 @@ class RunLogger:
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         """Upload a folder that the run directory also holds under `artifact_path`."""
         if not self._with_retries(lambda: self.client.log_artifacts(self.run_id, str(local_dir), artifact_path),
-                                  f"artifacts {artifact_path}"):
-            self._journal([json.dumps({"artifacts": artifact_path, "artifact_path": artifact_path})])
+                                  f"artifacts {artifact_path}") and self.journal:
+            self.journal.add_artifacts(artifact_path, artifact_path)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
         if self.run_dir is not None:
             self.run_dir.write_text(json.dumps(data), SAMPLES)
         if not self._with_retries(lambda: self.client.log_table(self.run_id, data=data, artifact_file=artifact_file),
-                                  f"table {artifact_file}"):
-            self._journal([json.dumps({"table": SAMPLES, "artifact_file": artifact_file})])
+                                  f"table {artifact_file}") and self.journal:
+            self.journal.add_table(SAMPLES, artifact_file)
 
     def close(self, timeout: float = 60.0) -> None:
         """Send what is queued, waiting at most `timeout` seconds (less once the server has failed three
@@ -94,8 +90,10 @@ class RunLogger:
         self._stopping.set()  # the sender takes no new batch now; one it is sending may still land
         self._thread.join(self.retry_seconds + float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")))
         unsent = ([self._pending] if self._pending else []) + [item[0] for item in _drain(self._queue) if item]
-        if unsent:
-            self._journal([line for batch in unsent for line in batch.journal_lines()])
+        metrics, params = [m for b in unsent for m in b.metrics], [p for b in unsent for p in b.params]
+        if self.journal and (metrics or params):
+            self.journal.add_metrics_and_params(metrics, params)
+            log.warning("MLflow: %d unsent records written to %s", len(metrics) + len(params), self.journal.location)
         if self.failures:
             log.warning("MLflow was unreachable for %d calls during this run", self.failures)
             self._with_retries(lambda: self.client.set_tag(self.run_id, "mlflow_failed_calls", str(self.failures)),
@@ -162,12 +160,6 @@ class RunLogger:
                     time.sleep(self.retry_seconds * (attempt + 1))
         log.warning("MLflow: could not log %s; it is kept in the run directory for `python -m jobs.sync`", what)
         return False
-
-    def _journal(self, lines: list[str]) -> None:
-        if self.run_dir is None or not lines:
-            return
-        self.run_dir.append_lines(lines, JOURNAL)
-        log.warning("MLflow: %d unsent records written to %s", len(lines), self.run_dir.path(JOURNAL))
 
 
 def _drain(q: queue.Queue):

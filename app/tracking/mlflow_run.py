@@ -8,7 +8,6 @@ in the run directory's journal and sent later by `python -m jobs.sync` (app/trac
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import subprocess
 import time
@@ -22,7 +21,8 @@ from app.config.schema import FinetuneConfig
 from app.data.sources import DataSource
 from app.errors import UserInputError
 from app.runs.layout import RunDir
-from app.tracking.logger import JOURNAL, MAX_PARAM_CHARS, bound_http_calls
+from app.tracking.journal import Journal
+from app.tracking.logger import MAX_PARAM_CHARS, bound_http_calls
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,10 @@ def finish_run(tracking_uri: str, run_id: str, status: str, run_dir: RunDir, att
             log.warning("MLflow: could not end run %s as %s (%s)", run_id, status, str(e).splitlines()[0][:200])
             if attempt < attempts - 1:
                 time.sleep(2.0 * (attempt + 1))
-    run_dir.append_lines([json.dumps({"status": status})], JOURNAL)
+    journal = Journal(run_dir)
+    journal.add_status(status)
     log.warning("MLflow unreachable: run %s stays open there until `python -m jobs.sync %s` sends what "
-                "%s keeps", run_id, run_dir.name, run_dir.path(JOURNAL))
+                "%s keeps", run_id, run_dir.name, journal.location)
     return False
 
 

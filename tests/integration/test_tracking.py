@@ -16,9 +16,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from app.data.sources import resolve_source
-from app.runs.layout import RunDir
+from app.runs.layout import JOURNAL, RunDir
 from app.tracking import mlflow_run as tracking
-from app.tracking.logger import JOURNAL, RunLogger
+from app.tracking.logger import RunLogger
 from tests.helpers import free_port, make_config
 
 

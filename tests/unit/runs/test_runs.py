@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from app.config.schema import load_config
 from app.errors import UserInputError
-from app.runs.layout import RunBusy, RunDir
-from app.tracking.journal import sync_run
-from app.tracking.logger import JOURNAL, SAMPLES
+from app.runs.claim import this_process
+from app.runs.layout import RunDir
 from tests.helpers import EMBEDDED_CONFIG
 
 SENTINEL = "pw_sentinel_4d1f"
@@ -83,29 +80,10 @@ def test_run_names_and_set_values_are_checked(override, message):
     assert "\n" not in str(e.value)
 
 
-def test_one_writer_at_a_time_and_a_dead_writers_claim_is_taken_over(tmp_path):
-    run = RunDir(str(tmp_path / "run"))
-    first, second = {"pid": 1, "job": "a"}, {"pid": 2, "job": "b"}
-    run.claim(first, still_running=lambda claim: True)
-    with pytest.raises(RunBusy) as busy:
-        run.claim(second, still_running=lambda claim: True)
-    assert busy.value.claim == first
-    run.release(second)  # not its claim: nothing happens
-    assert run.writer() == first
-    run.claim(second, still_running=lambda claim: False)  # the first writer is gone
-    assert run.writer() == second
-    run.release(second)
-    assert run.writer() is None
+def test_the_ray_job_id_is_read_in_one_place(in_a_ray_job):
+    from app.config.paths import ray_job_id
 
-
-def test_a_dead_process_holds_no_claim():
-    from app.runs.claim import claim_is_live, this_process
-
-    gone = subprocess.run([sys.executable, "-c", "import os, psutil, json; p = psutil.Process(); "
-                           "print(json.dumps({'pid': p.pid, 'started': p.create_time()}))"],
-                          capture_output=True, text=True, check=True)
-    assert claim_is_live(this_process())
-    assert not claim_is_live(this_process() | json.loads(gone.stdout))
+    assert ray_job_id() == "j1" and this_process()["ray_job"] == "j1"
 
 
 def test_an_adapter_is_there_whole_or_not_at_all(tmp_path):
@@ -120,30 +98,6 @@ def test_an_adapter_is_there_whole_or_not_at_all(tmp_path):
     assert run.adapter_complete()
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["adapter"]  # no partial copy left
-
-
-def test_sync_sends_what_the_journal_kept_in_order(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())).info.run_id
-    run = RunDir(str(tmp_path / "run"))
-    run.write_record(run_id)
-    (tmp_path / "run" / "adapter").mkdir()
-    (tmp_path / "run" / "adapter" / "adapter_config.json").write_text("{}")
-    run.write_text(json.dumps({"prompt": ["p"], "generated": ["g"]}), SAMPLES)
-    run.append_lines([json.dumps({"metric": "train_loss", "value": 1.5, "step": s, "timestamp": 1000 + s})
-                      for s in (1, 2)] + [json.dumps({"param": "resolved.fsdp.param_dtype", "value": "float32"}),
-                                          json.dumps({"artifacts": "adapter", "artifact_path": "adapter"}),
-                                          json.dumps({"table": SAMPLES, "artifact_file": "eval/samples.json"}),
-                                          json.dumps({"status": "FINISHED"})], JOURNAL)
-    sent = sync_run(run, uri)
-    assert sent == {"metrics and params": 3, "artifact folders": 1, "tables": 1, "statuses": 1}
-    got = client.get_run(run_id)
-    assert got.info.status == "FINISHED" and got.data.params["resolved.fsdp.param_dtype"] == "float32"
-    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [1, 2]
-    assert {a.path for a in client.list_artifacts(run_id, "adapter")} == {"adapter/adapter_config.json"}
-    assert not run.exists(JOURNAL) and list((tmp_path / "run").glob(f"{JOURNAL}.synced-*"))
-    assert sync_run(run, uri) == {}  # nothing left to send
 
 
 def test_a_hub_model_is_pinned_to_the_commit_its_revision_names(monkeypatch):

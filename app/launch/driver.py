@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import getpass
-import json
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from app.config.paths import in_ray_job
+from app.config.paths import in_ray_job, ray_job_id
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import start_passes
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
@@ -73,7 +72,6 @@ def check_placement(cfg: FinetuneConfig) -> None:
 
 
 def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
-    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
     return {
         "mlflow.user": getpass.getuser(),  # the UI's "Created by" and "Source"
         "mlflow.source.name": "jobs.finetune",
@@ -81,7 +79,7 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
         "base_model": cfg.model.path,
         "base_model_revision": cfg.model.revision,
         "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or tracking.git_commit(),
-        "ray.job_submission_id": job_config.get("metadata", {}).get("job_submission_id"),
+        "ray.job_submission_id": ray_job_id(),
         "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
         "data.train_path": ", ".join(cfg.data.train_paths),
     }

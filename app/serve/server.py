@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from ray import serve
 
+from app.runs.layout import ADAPTER, ADAPTER_RUN_CONFIG
+
 api = FastAPI(title="ray-lora-fsdp chat completions")
 
 
@@ -41,7 +43,7 @@ def adapter_folder(source: str, output_dir: str = "outputs") -> Path:
         import mlflow
 
         return Path(mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/adapter"))
-    for candidate in (Path(source), Path(output_dir) / source / "adapter"):
+    for candidate in (Path(source), Path(output_dir) / source / ADAPTER):
         if (candidate / "adapter_config.json").exists():
             return candidate
     raise ValueError(f"adapter {source}: neither an adapter folder, a run under {output_dir}, nor models:/NAME/VERSION")
@@ -51,7 +53,7 @@ def base_of(adapter: Path) -> tuple[str, str | None]:
     """The base model an adapter was trained on: the run's recorded model.path and revision."""
     import yaml
 
-    recorded = adapter / "finetune_config.yaml"
+    recorded = adapter / ADAPTER_RUN_CONFIG
     if recorded.exists():
         model = yaml.safe_load(recorded.read_text())["model"]
         return model["path"], model.get("revision")

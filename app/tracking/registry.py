@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from app.config.schema import FinetuneConfig
+from app.runs.layout import ADAPTER
 
 SERVED_MODEL = Path(__file__).parents[1] / "serve" / "pyfunc.py"
 REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
@@ -52,7 +53,7 @@ def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
 
     base = base_model_record(cfg)
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    adapter, _download = cfg.run_dir.local_copy("adapter")  # the download lives as long as this call
+    adapter, _download = cfg.run_dir.local_copy(ADAPTER)  # the download lives as long as this call
     with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
         # an input example would make MLflow load the base model here to try it: none is given
         warnings.filterwarnings("ignore", message=".*input example was not provided")

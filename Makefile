@@ -27,11 +27,16 @@ demo: setup embedded
 	$(BIN)/python -m jobs.finetune --config $(CONFIG) $(ARGS)
 	@echo "Browse the run:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db  (then open http://127.0.0.1:5000)" >&2
 
+# Two test processes (pytest-xdist): the suite mostly waits on processes starting, so two share 2 cores
+# well; a test module stays in one process (conftest.py groups them). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

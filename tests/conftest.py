@@ -12,12 +12,12 @@ from tests.helpers import REPO, SHORT_RUN, make_config
 
 @pytest.fixture(scope="session")
 def embedded() -> dict[str, Path]:
-    """The embedded model and data, built by the same code as `make embedded` (reused if present)."""
-    root = REPO / ".cache" / "embedded"
-    if not (root / "model" / "config.json").exists():
-        from app.model.embedded import build_embedded
+    """The embedded model and data, built by the same code as `make embedded` (once, also when several
+    test processes start at the same time; reused if present)."""
+    from app.model.embedded import build_once
 
-        build_embedded(root)
+    root = REPO / ".cache" / "embedded"
+    build_once(root)
     return {"model": root / "model", "train": root / "data" / "train.jsonl", "eval": root / "data" / "eval.jsonl"}
 
 
@@ -29,7 +29,8 @@ def ray_cluster():
     # Ray Train's controller records a reported checkpoint at its next poll (2 s by default); polling
     # faster keeps the fault tests' kill-to-checkpoint margins short. Set before Ray starts its processes.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
-    ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False)
+    # Two test processes may each run a cluster (make test: pytest -n 2): a bounded object store each.
+    ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False, object_store_memory=2 * 2**30)
     yield ray
     ray.shutdown()
 
@@ -44,3 +45,15 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
                       "eval.generation_rows=100", "train.best_metric=eval_exact_match",
                       "mlflow.registered_model=reference-adapter")
     return cfg, run_finetune(cfg)
+
+
+# `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): a test module stays in one
+# process, so its module-scoped servers and clusters start once; the modules that compare against the
+# session's reference run share its process, so it is trained once.
+SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference_run"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, item.module.__name__)))

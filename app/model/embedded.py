@@ -154,21 +154,26 @@ def ensure_embedded(cfg) -> None:
     """Build the embedded model and data where the config reads them, once, if they are not there yet.
 
     Under `ray job submit` that is the cluster's shared storage ($FINETUNE_STORAGE/.cache/embedded: the
-    upload leaves .cache/ out), so the default config works without any override. A lock makes two jobs
-    starting at once build it one time; the build lands in place with a rename, never half-written."""
+    upload leaves .cache/ out), so the default config works without any override."""
     paths = [cfg.model.path, *cfg.data.train_paths, cfg.data.eval_path]
     for root in {r for r in map(embedded_root, paths) if r is not None}:
-        if (root / "model" / "config.json").exists():
-            continue
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with open(root.parent / "embedded.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if (root / "model" / "config.json").exists():  # built by another job while this one waited
-                continue
-            print(f"building the embedded demo model and data in {root} (once; about a minute)",
-                  file=sys.stderr, flush=True)
-            partial = root.with_name(f"embedded.partial-{os.getpid()}")
-            build_embedded(partial)
-            if root.exists():
-                shutil.rmtree(root)
-            os.rename(partial, root)
+        build_once(root)
+
+
+def build_once(root: Path) -> None:
+    """`build_embedded(root)` unless it is built: a lock makes two processes starting at once (two jobs,
+    two test workers) build it one time, and the build lands in place with a rename, never half-written."""
+    if (root / "model" / "config.json").exists():
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / "embedded.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / "model" / "config.json").exists():  # built by another process while this one waited
+            return
+        print(f"building the embedded demo model and data in {root} (once; about a minute)",
+              file=sys.stderr, flush=True)
+        partial = root.with_name(f"embedded.partial-{os.getpid()}")
+        build_embedded(partial)
+        if root.exists():
+            shutil.rmtree(root)
+        os.rename(partial, root)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import REPO, free_port
+from tests.helpers import NO_DECODING, REPO, free_port
 
 pytestmark = pytest.mark.e2e
 HF_SENTINEL = "hf_test_token_do_not_log_4f2a"  # stands in for a real hub token
@@ -77,8 +77,8 @@ def test_a_plain_ray_job_submit_of_the_default_config_succeeds_and_outlives_its_
     env = {k: v for k, v in stack["env"].items() if k != "MLFLOW_TRACKING_URI"}
     submitted = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--working-dir", ".",
                                 "--", "python", "-m", "jobs.finetune", "--config", "jobs/configs/embedded.yaml",
-                                *with_overrides(*QUICK)], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=900)
+                                *with_overrides(*QUICK, *NO_DECODING)], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=900)
     logs = submitted.stdout + submitted.stderr
     assert submitted.returncode == 0, logs[-3000:]
     summary = json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
@@ -160,7 +160,7 @@ def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
 def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_processes(stack):
     run_name = "jobs-api-stopped"
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides("train.max_steps=400", "train.checkpoint_every=3",
+                           *with_overrides(*NO_DECODING, "train.max_steps=400", "train.checkpoint_every=3",
                                            f"train.run_name={run_name}"))
     assert submitted.returncode == 0, submitted.stderr
     client = MlflowClient(stack["mlflow"])
@@ -188,7 +188,7 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
 
 def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack):
     swept = submit_cli(stack, "sweep", "--config", "jobs/configs/embedded.yaml", "--name", "lr-sweep",
-                       "--grid", "train.learning_rate=1e-3,4e-3", *with_overrides(*QUICK))
+                       "--grid", "train.learning_rate=1e-3,4e-3", *with_overrides(*QUICK, *NO_DECODING))
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
     table = swept.stdout.split("lr-sweep: 2 jobs submitted")[1]
     assert "lr-sweep-0-learning_rate=1e-3" in table and "lr-sweep-1-learning_rate=4e-3" in table

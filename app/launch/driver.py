@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import getpass
 import os
+import signal
 import sys
+import threading
 import time
 
 import ray
@@ -53,6 +55,10 @@ def init_ray(verbose: bool = False) -> None:
         ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level)
     if not verbose:
         console.filter_worker_output()
+    if threading.current_thread() is threading.main_thread():
+        # Connecting put Ray core's C++ failure handler in front of ray.init's SIGTERM handler: it prints a
+        # stack dump into the job log when `ray job stop` sends SIGTERM. Its Python handler alone stays.
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
 
 
 def check_placement(cfg: FinetuneConfig) -> None:

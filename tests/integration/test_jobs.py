@@ -179,6 +179,10 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
     stopped = submit_cli(stack, "stop", run_name, "--wait")
     assert stopped.stdout.strip() == f"{run_name}: STOPPED", stopped.stdout + stopped.stderr
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
+    logs = submit_cli(stack, "logs", run_name).stdout
+    assert "SIGTERM received" not in logs and "PC: @" not in logs  # no C++ stack dump from Ray's core
+    progress = [line for line in logs.splitlines() if " | loss " in line]
+    assert progress and all(line.startswith("step ") for line in progress)  # bare: no Ray worker prefix
     assert list((stack["dir"] / "outputs" / run_name).glob("checkpoint_*/*.distcp"))
     deadline = time.time() + 30
     while _training_processes(run_name, stack["raytmp"]) and time.time() < deadline:

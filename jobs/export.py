@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from app.config.paths import why_unwritable
 from app.config.schema import load_config
-from app.errors import UserInputError
+from app.errors import UserInputError, exit_code, first_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,16 +42,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    if not args.max_shard_gb > 0:
+        raise UserInputError(f"--max-shard-gb {args.max_shard_gb:g}: must be more than 0 (the size of each merged "
+                             "safetensors file, e.g. 2)")
+    if args.out.exists():
+        raise UserInputError(f"--out {args.out}: already exists; name a new directory (nothing is overwritten)")
+    problem = why_unwritable(args.out)
+    if problem:
+        raise UserInputError(f"--out {args.out}: {problem}; name a new directory in one you can write to")
+
+
 def base_model_dir(adapter: Path, base: str | None) -> Path:
     """The base the adapter was trained on, as a local directory (a hub model: its pinned snapshot)."""
+    from app.model.merge import base_model_problem
+
     if base:
-        if not Path(base).is_dir():
-            raise UserInputError(f"--base {base}: no such directory")
+        problem = base_model_problem(Path(base))
+        if problem:
+            raise UserInputError(f"--base {base}: {problem}; give the local directory of the model the run trained "
+                                 "(config.json and *.safetensors)")
         return Path(base)
     import yaml
 
     model = yaml.safe_load((adapter / "finetune_config.yaml").read_text())["model"]
     if Path(model["path"]).is_dir():
+        problem = base_model_problem(Path(model["path"]))
+        if problem:
+            raise UserInputError(f"model.path={model['path']} (the run's base): {problem}; pass --base DIR, a local "
+                                 "copy of that model")
         return Path(model["path"])
     from huggingface_hub import snapshot_download
 
@@ -55,39 +78,59 @@ def base_model_dir(adapter: Path, base: str | None) -> Path:
                                   allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]))
 
 
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A folder next to `out` to write the export into: renamed to `out` once complete, removed if writing
+    fails (a full disk), so a failed export leaves nothing that a rerun would refuse."""
+    staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    staging.rename(out)
+
+
 def export(args: argparse.Namespace) -> dict:
+    check_arguments(args)
     cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run}"])
-    if args.out.exists():
-        raise UserInputError(f"--out {args.out}: already exists; name a new directory (nothing is overwritten)")
     run_dir = cfg.run_dir
     if not run_dir.adapter_complete():
         raise UserInputError(f"{run_dir.adapter}: no complete adapter; the run has not finished "
                              f"(`python -m jobs.finetune ... --resume {run_dir.name}` completes it)")
     local, _download = run_dir.local_copy("adapter")  # a copy only for a run on an object store
     adapter = Path(local)
-    if not args.merge:
-        shutil.copytree(adapter, args.out, ignore=shutil.ignore_patterns("COMPLETE"))
-        return {"out": str(args.out), "kind": "adapter"}
+    base = base_model_dir(adapter, args.base) if args.merge else None
+    try:
+        with staged(args.out) as staging:
+            written = write_export(args, adapter, base, staging)
+    except OSError as e:
+        raise UserInputError(f"--out {args.out}: writing the export failed ({e.strerror or first_line(e)}); nothing "
+                             "was left there: free some space, or choose another --out") from None
+    return {"out": str(args.out), **written}
+
+
+def write_export(args: argparse.Namespace, adapter: Path, base: Path | None, out: Path) -> dict:
+    if base is None:
+        shutil.copytree(adapter, out, ignore=shutil.ignore_patterns("COMPLETE"))
+        return {"kind": "adapter"}
     import torch
 
     from app.model.merge import write_merged
 
-    base = base_model_dir(adapter, args.base)
-    written = write_merged(base, adapter, args.out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
+    written = write_merged(base, adapter, out, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"out": str(args.out), "kind": "merged", "base": str(base), "dtype": args.dtype, **written,
-            "peak_rss_gb": round(peak, 3)}
+    return {"kind": "merged", "base": str(base), "dtype": args.dtype, **written, "peak_rss_gb": round(peak, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        result = export(args)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
-    return 0
+
+    def export_and_print() -> int:
+        print(json.dumps(export(args)))
+        return 0
+
+    return exit_code(export_and_print)
 
 
 if __name__ == "__main__":

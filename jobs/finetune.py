@@ -14,9 +14,11 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
+from app.config.paths import why_unwritable
 from app.config.schema import load_config
-from app.errors import UserInputError
+from app.errors import UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
 
 
@@ -39,20 +41,24 @@ def _stop_on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    try:
-        overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
-        cfg = load_config(args.config, overrides)
-        if not args.verbose:
-            quiet_driver_logging()
-        from app.launch.driver import run_finetune  # imports Ray: only after the config is known good
+    return exit_code(lambda: finetune(args))
 
-        if os.environ.get("HF_TOKEN"):
-            print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)
 
-        summary = run_finetune(cfg, resume=bool(args.resume), verbose=args.verbose)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def finetune(args: argparse.Namespace) -> int:
+    overrides = args.overrides + ([f"train.run_name={args.resume}"] if args.resume else [])
+    cfg = load_config(args.config, overrides)
+    problem = why_unwritable(Path(cfg.train.output_dir)) if cfg.output.is_local else None
+    if problem:
+        raise UserInputError(f"train.output_dir={cfg.train.output_dir}: {problem}; choose a directory this job "
+                             "can write to")
+    if not args.verbose:
+        quiet_driver_logging()
+    from app.launch.driver import run_finetune  # imports Ray: only after the config is known good
+
+    if os.environ.get("HF_TOKEN"):
+        print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)
+
+    summary = run_finetune(cfg, resume=bool(args.resume), verbose=args.verbose)
     import ray
 
     ray.shutdown()  # Ray prints what workers wrote until it disconnects: the summary comes after all of it

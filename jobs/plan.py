@@ -14,40 +14,66 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from app.config.schema import load_config
-from app.errors import UserInputError
+from app.errors import UserInputError, exit_code, first_line
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.split("\n")[1])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--model-config", help="a config.json to plan for instead of model.path's")
     parser.add_argument("--device-memory-gb", type=float, help="memory of one device (e.g. 80 for an H100)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def check_model_config_file(path: str) -> None:
+    """--model-config must be the config.json of a model type transformers knows."""
+    from transformers import CONFIG_MAPPING
+
     try:
-        cfg = load_config(args.config, args.overrides)
-        from app.model.build import check_model_source
-        from app.model.memory_plan import format_plan, plan_memory
+        fields = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # no such file, not UTF-8, not JSON
+        raise UserInputError(f"--model-config {path}: cannot read it as JSON ({first_line(e)})") from None
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        problem = "no model_type" if model_type is None else f"model_type {model_type!r} is not one transformers knows"
+        raise UserInputError(f"--model-config {path}: {problem}; give a model's config.json (e.g. model_type: llama)")
 
-        if not args.model_config:
-            check_model_source(cfg.model)
 
-        plan = plan_memory(cfg, args.model_config)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:  # an unreadable config.json, or the hub unreachable
-        print(f"error: model.path={cfg.model.path}: cannot read its config ({str(e).splitlines()[0]})", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"device": plan.device, "host": plan.host, "device_total": plan.device_total,
-                          "base_params": plan.base_params, "lora_params": plan.lora_params}))
+def plan(args: argparse.Namespace) -> int:
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        raise UserInputError(f"--device-memory-gb {args.device_memory_gb:g}: must be more than 0 (one device's "
+                             "memory in GiB, e.g. 80)")
+    cfg = load_config(args.config, args.overrides)
+    from app.model.build import check_model_source
+    from app.model.memory_plan import format_plan, plan_memory
+
+    if args.model_config:
+        check_model_config_file(args.model_config)
     else:
-        print(format_plan(plan, args.device_memory_gb))
+        check_model_source(cfg.model)
+    try:
+        memory = plan_memory(cfg, args.model_config)
+    except UserInputError:
+        raise
+    except (OSError, ValueError) as e:  # the model's config unreadable, or the hub unreachable
+        where = f"--model-config {args.model_config}" if args.model_config else f"model.path={cfg.model.path}"
+        raise UserInputError(f"{where}: cannot read its config ({first_line(e)})") from None
+    if args.json:
+        print(json.dumps({"device": memory.device, "host": memory.host, "device_total": memory.device_total,
+                          "base_params": memory.base_params, "lora_params": memory.lora_params}))
+    else:
+        print(format_plan(memory, args.device_memory_gb))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return exit_code(lambda: plan(args))
 
 
 if __name__ == "__main__":

@@ -18,20 +18,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from app.config.paths import export_credentials
 from app.config.schema import load_config
-from app.errors import UserInputError
+from app.errors import UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
 from app.tracking.mlflow_run import get_or_create_experiment, git_commit, reconcile_runs
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+SECRET_KEY = re.compile(r"(^|[._-])(password|passwd|secret|token|api_?key|access_key|credentials?)$", re.I)
+SECRET_VALUE = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^/\s@]+@"  # user[:password]@ in a URI
+    r"|\b(hf_[a-z0-9]{30,}|gh[pousr]_[a-z0-9]{30,}|github_pat_\w{30,}|sk-[\w-]{20,}|akia[0-9a-z]{16})\b"  # tokens
+    r"|\b(password|passwd|secret|token|api_?key)=",  # a secret in a query string
+    re.I)
 
 
 def job_client(address: str | None):
@@ -42,21 +50,38 @@ def job_client(address: str | None):
     try:
         return JobSubmissionClient(address)
     except Exception as e:  # connection refused, 401/403 without a token, ...
-        raise UserInputError(f"--address {address}: cannot reach the Ray Jobs API ({str(e).splitlines()[0]}); "
+        raise UserInputError(f"--address {address}: cannot reach the Ray Jobs API ({first_line(e)}); "
                              "is the cluster up, and RAY_AUTH_MODE=token exported?") from None
 
 
 def runtime_env(path: str) -> dict:
     if not Path(path).is_file():
         raise UserInputError(f"--runtime-env {path}: no such file; the shipped one is jobs/runtime_env.yaml")
-    env = yaml.safe_load(Path(path).read_text()) or {}
-    env.setdefault("working_dir", ".")
-    return env
+    try:
+        env = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserInputError(f"--runtime-env {path}: not valid YAML or JSON ({first_line(e)})") from None
+    if not isinstance(env, dict) or not isinstance(env.get("env_vars") or {}, dict):
+        raise UserInputError(f"--runtime-env {path}: must be a mapping of Ray runtime_env fields (env_vars: a "
+                             "mapping NAME: value, excludes:, ...), as jobs/runtime_env.yaml is")
+    return {"working_dir": ".", **env}
 
 
-def submit_run(client, config: str, overrides: list[str], env: dict, resume: str | None = None,
-               run_name: str | None = None, metadata: dict[str, str] | None = None) -> str:
-    """Validate the config here, then submit one fine-tuning job; returns its submission id."""
+def refuse_secrets(items: list[str], flag: str = "--set") -> None:
+    """A job's entrypoint is shown to anyone who can list jobs: no credentials may travel in it (nor be
+    printed here: the message names the key, never the value)."""
+    for number, item in enumerate(items, 1):
+        key = item.partition("=")[0].strip()
+        if SECRET_KEY.search(key) or SECRET_VALUE.search(item):
+            name = key if re.fullmatch(r"[\w.]+", key) else f"#{number}"
+            raise UserInputError(f"{flag} {name}: it holds credentials, which would be visible in the job's "
+                                 "entrypoint; keep secrets in the cluster's environment instead (MLFLOW_TRACKING_URI, "
+                                 "HF_TOKEN, ...: cluster/local-up.sh, the k8s Secret)")
+
+
+def run_job(config: str, overrides: list[str], env: dict, resume: str | None = None, run_name: str | None = None,
+            metadata: dict[str, str] | None = None) -> dict:
+    """One fine-tuning job, its config validated here: the keyword arguments of `submit_job`."""
     refuse_secrets(overrides)
     if resume:
         overrides = [*overrides, f"train.run_name={resume}"]
@@ -73,29 +98,21 @@ def submit_run(client, config: str, overrides: list[str], env: dict, resume: str
     submission_id = cfg.train.run_name if not resume else f"{resume}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
     commit = git_commit()  # the uploaded working dir has no .git: the run's commit tag comes from here
     env = env | {"env_vars": (env.get("env_vars") or {}) | ({"GIT_COMMIT": commit} if commit else {})}
-    return client.submit_job(entrypoint=shlex.join(command), submission_id=submission_id, runtime_env=env,
-                             metadata={"run_name": cfg.train.run_name, "config": config, **(metadata or {})})
+    return {"entrypoint": shlex.join(command), "submission_id": submission_id, "runtime_env": env,
+            "metadata": {"run_name": cfg.train.run_name, "config": config, **(metadata or {})}}
 
 
-def refuse_secrets(overrides: list[str]) -> None:
-    """A job's entrypoint is shown to anyone who can list jobs: no credentials may travel in it."""
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.strip() == "mlflow.tracking_uri" and export_credentials(value) != value:
-            raise UserInputError("--set mlflow.tracking_uri: it holds credentials, which would be visible in the "
-                                 "job's entrypoint; set MLFLOW_TRACKING_URI (credentials included) in the "
-                                 "cluster's environment instead (cluster/local-up.sh, the k8s Secret)")
-
-
-def submit_sync(client, run_name: str, config: str, overrides: list[str], env: dict) -> str:
-    """`python -m jobs.sync` as a job: it runs where the run directory is (the cluster's storage)."""
+def sync_job(run_name: str, config: str, overrides: list[str], env: dict) -> dict:
+    """`python -m jobs.sync` as a job, its config validated here: it runs where the run directory is (the
+    cluster's storage). The keyword arguments of `submit_job`."""
     refuse_secrets(overrides)
+    load_config(config, [*overrides, f"train.run_name={run_name}"])
     command = ["python", "-m", "jobs.sync", run_name, "--config", config]
     for item in overrides:
         command += ["--set", item]
-    return client.submit_job(entrypoint=shlex.join(command), runtime_env=env,
-                             submission_id=f"sync-{run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                             metadata={"run_name": run_name, "config": config})
+    return {"entrypoint": shlex.join(command), "runtime_env": env,
+            "submission_id": f"sync-{run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            "metadata": {"run_name": run_name, "config": config}}
 
 
 def reconcile(client) -> None:
@@ -149,48 +166,63 @@ def list_jobs(client) -> str:
     return format_table(columns)
 
 
-def sweep(client, args: argparse.Namespace, env: dict) -> int:
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep checked whole before the cluster or MLflow is contacted."""
+
+    name: str
+    grid: dict[str, list]
+    points: list[tuple[str, list[str]]]  # each point's run name and overrides
+    tracking_uri: str  # without credentials
+    experiment: str
+
+
+def plan_sweep(config: str, overrides: list[str], axes: list[str], name: str | None, env: dict) -> Sweep:
+    grid = parse_grid(axes)
+    refuse_secrets(axes, flag="--grid")
+    name = name or f"sweep-{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    points = [(point_name(name, i, point), [*overrides, *point_overrides(point), f"mlflow.sweep={name}"])
+              for i, point in enumerate(grid_points(grid))]
+    for run_name, point in points:
+        run_job(config, point, env, run_name=run_name)
+    experiment = load_config(config, overrides).mlflow.experiment
+    return Sweep(name, grid, points, _sweep_tracking_uri(overrides, env), experiment)
+
+
+def run_sweep(client, sweep: Sweep, config: str, env: dict) -> int:
     """One job per grid point, grouped in MLflow under a parent run; waits, then prints the table."""
     from mlflow.tracking import MlflowClient
 
-    grid = parse_grid(args.grid)
-    points = grid_points(grid)
-    name = args.name or f"sweep-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = load_config(args.config, args.overrides)
-    tracking_uri = _sweep_tracking_uri(args.overrides, env)
-    for i, point in enumerate(points):  # every point validated before the first job is submitted
-        load_config(args.config, [*args.overrides, *point_overrides(point),
-                                  f"train.run_name={point_name(name, i, point)}"])
-    mlflow = MlflowClient(tracking_uri)
-    experiment_id = get_or_create_experiment(mlflow, cfg.mlflow.experiment)
-    parent = mlflow.create_run(experiment_id, run_name=name, tags={"sweep": name, "sweep.role": "parent"})
-    mlflow.log_param(parent.info.run_id, "sweep.grid", yaml.safe_dump(grid, default_flow_style=True).strip())
-    job_ids = [submit_run(client, args.config, [*args.overrides, *point_overrides(point),
-                                                f"mlflow.sweep={name}", f"mlflow.parent_run_id={parent.info.run_id}"],
-                          env, run_name=point_name(name, i, point), metadata={"sweep": name})
-               for i, point in enumerate(points)]
-    print(f"sweep {name}: {len(job_ids)} jobs submitted; they queue on the cluster's resources", flush=True)
+    mlflow = MlflowClient(sweep.tracking_uri)
+    experiment_id = get_or_create_experiment(mlflow, sweep.experiment)
+    parent = mlflow.create_run(experiment_id, run_name=sweep.name, tags={"sweep": sweep.name, "sweep.role": "parent"})
+    parent_id = parent.info.run_id
+    mlflow.log_param(parent_id, "sweep.grid", yaml.safe_dump(sweep.grid, default_flow_style=True).strip())
+    job_ids = [client.submit_job(**run_job(config, [*overrides, f"mlflow.parent_run_id={parent_id}"], env,
+                                           run_name=run_name, metadata={"sweep": sweep.name}))
+               for run_name, overrides in sweep.points]
+    print(f"sweep {sweep.name}: {len(job_ids)} jobs submitted; they queue on the cluster's resources", flush=True)
     statuses = wait_for(client, job_ids)
     runs = [{"run_name": r.info.run_name, "status": r.info.status, "params": r.data.params, "metrics": r.data.metrics}
-            for r in mlflow.search_runs([experiment_id], f"tags.sweep = '{name}'")
-            if r.info.run_id != parent.info.run_id]
-    table = results_table(runs, list(grid))
-    mlflow.log_table(parent.info.run_id, data=table, artifact_file="sweep/results.json")
+            for r in mlflow.search_runs([experiment_id], f"tags.sweep = '{sweep.name}'")
+            if r.info.run_id != parent_id]
+    table = results_table(runs, list(sweep.grid))
+    mlflow.log_table(parent_id, data=table, artifact_file="sweep/results.json")
     failed = [j for j, s in statuses.items() if s != "SUCCEEDED"]
-    mlflow.set_terminated(parent.info.run_id, status="FAILED" if failed else "FINISHED")
+    mlflow.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")
     print(format_table(table))
-    print(f"MLflow: {tracking_uri}  experiment {cfg.mlflow.experiment}, parent run {name} ({parent.info.run_id})")
+    print(f"MLflow: {sweep.tracking_uri}  experiment {sweep.experiment}, parent run {sweep.name} ({parent_id})")
     if failed:
         print(f"failed: {', '.join(failed)}; see `python -m jobs.submit logs JOB`", file=sys.stderr)
     return 1 if failed else 0
 
 
 def _sweep_tracking_uri(overrides: list[str], env: dict) -> str:
-    """Where the sweep's jobs record their runs: it must be a server this client reaches too."""
-    for item in overrides:
-        if item.startswith("mlflow.tracking_uri="):
-            return item.partition("=")[2]
-    uri = (env.get("env_vars") or {}).get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI", "")
+    """Where the sweep's jobs record their runs (a server this client reaches too), its credentials moved
+    to MLflow's variables before the URI is recorded or printed."""
+    configured = [item.partition("=")[2] for item in overrides if item.startswith("mlflow.tracking_uri=")]
+    uri = (configured[-1] if configured else (env.get("env_vars") or {}).get("MLFLOW_TRACKING_URI")
+           or os.environ.get("MLFLOW_TRACKING_URI", ""))
     if not uri or "${" in uri:
         raise UserInputError("sweep: needs the tracking server its jobs log to; export MLFLOW_TRACKING_URI here "
                              "(the cluster's server), or --set mlflow.tracking_uri=URL")
@@ -227,36 +259,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        env = runtime_env(args.runtime_env) if hasattr(args, "runtime_env") else {}
+    return exit_code(lambda: run_command(args))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """What the command line gives is checked first; the cluster is contacted only then."""
+    env = runtime_env(args.runtime_env) if hasattr(args, "runtime_env") else {}
+    if args.command == "sweep":
+        sweep = plan_sweep(args.config, args.overrides, args.grid, args.name, env)
+        return run_sweep(job_client(args.address), sweep, args.config, env)
+    if args.command in ("submit", "sync"):
+        job = (run_job(args.config, args.overrides, env, resume=args.resume) if args.command == "submit"
+               else sync_job(args.run_name, args.config, args.overrides, env))
         client = job_client(args.address)
-        if args.command == "submit":
-            job_id = submit_run(client, args.config, args.overrides, env, resume=args.resume)
-            print(job_id, flush=True)
-            if args.follow:
-                return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
-        elif args.command == "list":
-            reconcile(client)
-            print(list_jobs(client))
-        elif args.command == "status":
-            reconcile(client)
-            info = client.get_job_info(args.job_id)
-            print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
-        elif args.command == "logs" and args.follow:
-            follow_logs(client, args.job_id)
-        elif args.command == "logs":
-            print(client.get_job_logs(args.job_id), end="")
-        elif args.command == "stop":
-            print(f"{args.job_id}: {stop(client, args.job_id, args.wait)}")
-        elif args.command == "sweep":
-            return sweep(client, args, env)
-        elif args.command == "sync":
-            job_id = submit_sync(client, args.run_name, args.config, args.overrides, env)
-            print(job_id, flush=True)
-            return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        job_id = client.submit_job(**job)
+        print(job_id, flush=True)
+        if args.command == "submit" and not args.follow:
+            return 0
+        return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
+    client = job_client(args.address)
+    if args.command in ("list", "status"):
+        reconcile(client)
+    if args.command == "list":
+        print(list_jobs(client))
+    elif args.command == "status":
+        info = client.get_job_info(args.job_id)
+        print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+    elif args.command == "logs" and args.follow:
+        follow_logs(client, args.job_id)
+    elif args.command == "logs":
+        print(client.get_job_logs(args.job_id), end="")
+    elif args.command == "stop":
+        print(f"{args.job_id}: {stop(client, args.job_id, args.wait)}")
     return 0
 
 

@@ -13,8 +13,11 @@ import argparse
 import json
 import sys
 
+from app.config.paths import export_tracking_credentials
 from app.config.schema import load_config
-from app.errors import UserInputError
+from app.errors import exit_code
+from app.tracking.journal import Journal
+from app.tracking.logger import bound_http_calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,19 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="jobs/configs/embedded.yaml", help="the config the run was started with")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, [*args.overrides, f"train.run_name={args.run_name}"])
-        from app.tracking.journal import Journal
-        from app.tracking.logger import bound_http_calls
+    return exit_code(lambda: sync(args.run_name, args.config, args.overrides))
 
-        bound_http_calls()
-        sent = Journal(cfg.run_dir).sync(cfg.mlflow.tracking_uri)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+def sync(run_name: str, config: str, overrides: list[str]) -> int:
+    cfg = load_config(config, [*overrides, f"train.run_name={run_name}"])
+    export_tracking_credentials()
+    bound_http_calls()
+    sent = Journal(cfg.run_dir).sync(cfg.mlflow.tracking_uri)
     print(json.dumps({"run_dir": cfg.run_dir.root, "tracking_uri": cfg.mlflow.tracking_uri, "sent": sent}))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

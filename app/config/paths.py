@@ -72,13 +72,36 @@ def _join(root: str, relative: str) -> str:
     return f"{root.rstrip('/')}/{relative}" if "://" in root else str(Path(root) / relative)
 
 
+def why_unwritable(path: Path) -> str | None:
+    """Why no directory can be made or written at `path` (a file in the way, a parent this process may not
+    write to), or None."""
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                return f"{existing} is a file, not a directory"
+            return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
+    return None
+
+
+def without_credentials(uri: str) -> str:
+    """`https://user:pass@host/x` -> `https://host/x`; other URIs unchanged."""
+    parts = urlsplit(uri)
+    if not parts.username and not parts.password:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def export_credentials(uri: str) -> str:
     """`https://user:pass@host/x` -> `https://host/x`, with user and password moved to the environment
     variables MLflow's client reads (MLFLOW_TRACKING_USERNAME / _PASSWORD); other URIs unchanged."""
     parts = urlsplit(uri)
-    if not parts.username and not parts.password:
-        return uri
     for variable, value in (("MLFLOW_TRACKING_USERNAME", parts.username), ("MLFLOW_TRACKING_PASSWORD", parts.password)):
         if value is not None:
             os.environ.setdefault(variable, unquote(value))
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return without_credentials(uri)
+
+
+def export_tracking_credentials() -> None:
+    """The user and password of $MLFLOW_TRACKING_URI moved to MLFLOW_TRACKING_USERNAME / _PASSWORD: the
+    explicit step of a process that talks to MLflow (loading a config leaves the environment alone)."""
+    export_credentials(os.environ.get("MLFLOW_TRACKING_URI", ""))

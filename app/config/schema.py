@@ -46,7 +46,7 @@ class ModelSection(_Section):
     attn_implementation: str | None = Field(None, description="attention kernel: None (transformers' default, "
                                             "SDPA), flash_attention_2 (GPUs: packed rows run as varlen sequences), "
                                             "flex_attention, eager, or a kernels hub id")
-    compile: bool = Field(False, description="torch.compile each decoder layer before sharding (first steps "
+    compile: bool = Field(False, description="torch.compile each decoder layer once it is sharded (first steps "
                           "slower while it compiles; CPUs need a C++ compiler)")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
@@ -190,7 +190,9 @@ class MlflowSection(_Section):
     """Where the run is recorded."""
 
     tracking_uri: str | None = Field(None, description="None: $MLFLOW_TRACKING_URI, else a local sqlite store "
-                                                      "under train.output_dir")
+                                                      "under train.output_dir. No user or password in it: those "
+                                                      "stay in the environment (the URI in $MLFLOW_TRACKING_URI, or "
+                                                      "MLFLOW_TRACKING_USERNAME / _PASSWORD)")
     experiment: str = Field("lora-finetune", description="the MLflow experiment runs are recorded in")
     sweep: str | None = Field(None, description="the sweep this run belongs to (a tag the UI groups by)")
     parent_run_id: str | None = Field(None, description="nest this run under that run in the UI (a sweep's parent)")
@@ -200,6 +202,15 @@ class MlflowSection(_Section):
     system_metrics_seconds: float = Field(10.0, ge=0.0, description="rank 0 samples its node's CPU, memory, disk "
                                           "and network (GPU too, with nvidia-ml-py installed) this often into "
                                           "MLflow's system/* metrics; 0: off")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        if uri is not None and paths.without_credentials(uri) != uri:
+            raise ValueError("mlflow.tracking_uri holds a user or password, and a config's values are logged and "
+                             "shown (MLflow params, job entrypoints); leave them out of it and put the URI with "
+                             "them in $MLFLOW_TRACKING_URI, or set MLFLOW_TRACKING_USERNAME and _PASSWORD")
+        return uri
 
 
 class FinetuneConfig(_Section):
@@ -319,9 +330,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Fi
         if not Path(path).is_file():
             raise UserInputError(f"--config {path}: no such file; the shipped configs are in jobs/configs/")
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            tree = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise UserInputError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        except UnicodeDecodeError as e:
+            raise UserInputError(f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        except OSError as e:
+            raise UserInputError(f"--config {path}: cannot read it ({e.strerror})") from None
         if not isinstance(tree, dict):
             raise UserInputError(f"{path}: the top level must be a mapping of sections (model:, lora:, ...)")
     for item in overrides:
@@ -354,7 +369,7 @@ def _template_text(template: str | None) -> str | None:
 
 
 def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
-    """Paths made absolute where they will be read (app/config/paths.py), defaults filled in, secrets taken out."""
+    """Paths made absolute where they will be read (app/config/paths.py), defaults filled in, credentials left out."""
     out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     return cfg.model_copy(update={
@@ -373,13 +388,13 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
 def resolve_tracking_uri(configured: str | None, output: OutputDir) -> str:
     """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the local store under the output directory.
 
-    Credentials in the URI (`https://user:pass@host`) are moved to MLFLOW_TRACKING_USERNAME and
-    MLFLOW_TRACKING_PASSWORD, which MLflow's client reads: the config, and so every param, artifact,
-    summary and log line made from it, holds the URI without them."""
+    The config, and so every param, artifact, summary and log line made from it, holds the URI without
+    the credentials that $MLFLOW_TRACKING_URI may carry (`https://user:pass@host`); a process that talks
+    to MLflow moves them to MLflow's variables itself (paths.export_tracking_credentials)."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
         if not output.is_local:
             raise UserInputError(f"train.output_dir={output.root} is a URI, where no local MLflow store can live: "
                                  "set mlflow.tracking_uri (or $MLFLOW_TRACKING_URI) to a tracking server")
         uri = f"sqlite:///{output.mlflow_store}"
-    return paths.export_credentials(uri)
+    return paths.without_credentials(uri)

@@ -19,7 +19,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from app.config.paths import in_ray_job, ray_job_id
+from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import start_passes
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
@@ -179,6 +179,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     """
     t0, job_start_time = time.perf_counter(), time.time()
+    export_tracking_credentials()  # the config holds the tracking URI without them
     startup = StartupClock(job_start_time)
     cfg, inputs = check_everything(cfg)
     startup.reached("inputs_checked")

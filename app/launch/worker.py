@@ -13,7 +13,7 @@ import ray
 import ray.train
 import ray.train.torch
 
-from app.config.paths import export_credentials
+from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import shard_batches
 from app.tracking.logger import RunLogger
@@ -85,7 +85,7 @@ def train_worker(launch: WorkerLaunch) -> None:
     def eval_pass():
         return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
 
-    export_credentials(os.environ.get("MLFLOW_TRACKING_URI", ""))  # the config holds the URI without them
+    export_tracking_credentials()  # the config holds the URI without them
     for variable, value in launch.mlflow_credentials.items():
         os.environ.setdefault(variable, value)
     tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()

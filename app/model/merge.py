@@ -16,15 +16,34 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from app.errors import UserInputError
+from app.errors import UserInputError, first_line
 
 PEFT_PREFIX = "base_model.model."
 UNSUPPORTED = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "trainable_token_indices")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def base_model_problem(base_path: Path) -> str | None:
+    """Why `base_path` is not a Hugging Face model directory this merge reads, or None."""
+    from transformers import CONFIG_MAPPING
+
+    if not base_path.is_dir():
+        return "no such directory"
+    if not (base_path / "config.json").is_file():
+        return "no config.json there"
+    if not any(base_path.glob("*.safetensors")):
+        return "no *.safetensors weights there"
+    try:
+        config = json.loads((base_path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        return f"its config.json cannot be read as JSON ({first_line(e)})"
+    if not isinstance(config, dict) or config.get("model_type") not in CONFIG_MAPPING:
+        return "its config.json names no model_type that transformers knows"
+    return None
 
 
 def lora_updates(adapter_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float, bool]:
@@ -90,7 +109,10 @@ def write_merged(base_path: Path, adapter_dir: Path, out: Path, dtype: torch.dty
         nonlocal shard, shard_bytes
         if shard:
             name = f"model-{len(names) + 1:05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
+            try:
+                save_file(shard, str(out / name), metadata={"format": "pt"})
+            except SafetensorError as e:  # how safetensors reports a failed write, e.g. "os error 28": a full disk
+                raise OSError(first_line(e)) from e
             names.append(name)
             weight_map.update({key: name for key in shard})
             shard, shard_bytes = {}, 0

@@ -53,7 +53,7 @@ def job_command(embedded, out: Path | str, *overrides: str) -> list[str]:
 def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_the_rest(embedded, tmp_path):
     server, uri = start_mlflow(tmp_path / "mlflow")
     out, run_name = tmp_path / "outputs", "outage"
-    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
     job = subprocess.Popen(job_command(embedded, out, *QUICK, f"mlflow.tracking_uri={uri}",
                                        f"train.run_name={run_name}"), cwd=REPO, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)

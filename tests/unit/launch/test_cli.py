@@ -1,5 +1,6 @@
 """Bad input through the real command line: one line naming the key/file/line, exit code 2, nothing started."""
 
+import importlib
 import subprocess
 import sys
 
@@ -85,3 +86,19 @@ def test_the_inputs_users_get_wrong_on_a_cluster_are_one_line_each(run_cli, tmp_
 def test_a_local_looking_model_path_that_does_not_exist_is_never_looked_up_on_the_hub(run_cli):
     for path in ("./models/mine", "models/org/name", "~/models/mine"):
         assert "no such directory" in run_cli(f"model.path={path}")
+
+
+@pytest.mark.parametrize("command", ["finetune", "plan", "submit"])
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(command, tmp_path, one_line_error, closed_address):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"train:\n  max_steps: 5  # caf\xe9\n")
+    argv = {"finetune": ["--config", latin1], "plan": ["--config", latin1],
+            "submit": ["--address", closed_address, "submit", "--config", latin1]}[command]
+    err = one_line_error(importlib.import_module(f"jobs.{command}").main, argv)
+    assert f"--config {latin1}: not UTF-8 text" in err
+
+
+def test_an_output_dir_under_a_file_is_one_line(run_cli, tmp_path):
+    (tmp_path / "file.txt").write_text("not a directory")
+    err = run_cli(f"train.output_dir={tmp_path / 'file.txt' / 'out'}")
+    assert f"train.output_dir={tmp_path / 'file.txt' / 'out'}: {tmp_path / 'file.txt'} is a file" in err

@@ -4,7 +4,6 @@ driver-side rules, without a cluster (the integration tests run them for real)."
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -48,16 +47,6 @@ def test_a_uri_output_dir_stays_a_uri_and_needs_a_tracking_server(monkeypatch):
     cfg = load_config(EMBEDDED_CONFIG, ["train.output_dir=s3://bucket/runs", "train.run_name=r1",
                                         "mlflow.tracking_uri=http://mlflow:5000"])
     assert cfg.train.output_dir == "s3://bucket/runs" and cfg.run_dir.root == "s3://bucket/runs/r1"
-
-
-def test_credentials_in_the_tracking_uri_never_reach_the_config(monkeypatch):
-    for variable in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://ray-jobs:{SENTINEL}@mlflow.example:5000")
-    cfg = load_config(EMBEDDED_CONFIG)
-    assert cfg.mlflow.tracking_uri == "https://mlflow.example:5000"
-    assert SENTINEL not in json.dumps(cfg.flat()) and SENTINEL not in cfg.to_yaml()  # params, resolved.yaml
-    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("ray-jobs", SENTINEL)
 
 
 def test_a_job_entrypoint_never_carries_credentials():

@@ -10,6 +10,7 @@ shard as micro-batches.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,9 +32,57 @@ def shard_batches(table: pa.Table, batch_size: int):
         yield BlockAccessor.for_block(table.slice(start, batch_size)).to_numpy()
 
 
+class PassCache:
+    """Each pass built once for all ranks, in a thread, and the next one ahead. `build(epoch)` returns the
+    pass's shards, one per rank. A pass is dropped once every rank has asked for a later one: ranks are not
+    in step between collectives (on tiny data a pass is a micro-batch, and a rank takes a step's micro-batches
+    before any collective), so one may still ask for a pass that another has left behind."""
+
+    def __init__(self, build: Callable[[int], list], world_size: int):
+        self._build_pass = build
+        self._lock = threading.Lock()
+        self._ready: dict[int, threading.Event] = {}
+        self._built: dict[int, list | BaseException] = {}
+        self._asked = [0] * world_size  # the pass each rank asked for last
+        with self._lock:
+            self._start(0)
+
+    def _start(self, epoch: int) -> threading.Event:
+        """The event set once pass `epoch` is built, starting its build if none has; under the lock."""
+        if epoch not in self._ready:
+            self._ready[epoch] = threading.Event()
+            threading.Thread(target=self._build, args=(epoch,), daemon=True).start()
+        return self._ready[epoch]
+
+    def _build(self, epoch: int) -> None:
+        try:
+            built = self._build_pass(epoch)
+        except BaseException as e:  # handed to the rank that asks for this pass
+            built = e
+        with self._lock:
+            self._built[epoch] = built
+            self._ready[epoch].set()
+
+    def shard(self, epoch: int, rank: int):
+        """Rank `rank`'s shard of pass `epoch`; raises what building the pass raised. A restarted worker group
+        asking for a pass already dropped gets it rebuilt."""
+        with self._lock:
+            self._asked[rank] = epoch
+            ready = self._start(epoch)
+        ready.wait()
+        with self._lock:
+            built = self._built[epoch]
+            if isinstance(built, BaseException):
+                raise built
+            self._start(epoch + 1)
+            for old in [e for e in self._built if e < min(self._asked)]:
+                del self._built[old], self._ready[old]
+        return built[rank]
+
+
 @ray.remote(num_cpus=0)
 class PassCoordinator:
-    """Builds each pass once for all ranks (and the next one ahead), keeps the last two.
+    """Builds each pass once for all ranks (app.data.coordinator.PassCache), ahead of the ranks.
 
     It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
     its own process (an index permutation, packing, a gather per rank, put back in the object store): no
@@ -45,46 +94,22 @@ class PassCoordinator:
                  data: DataSection):
         self.plan, self.pad_id, self.world_size, self.data = plan, pad_id, world_size, data
         self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
-        self._lock = threading.Lock()
-        self._ready: dict[int, threading.Event] = {}
-        self._built: dict[int, list | BaseException] = {}
-        self._start(0)
+        self.passes = PassCache(self._build, world_size)
 
-    def _start(self, epoch: int) -> threading.Event:
-        with self._lock:
-            if epoch not in self._ready:
-                self._ready[epoch] = threading.Event()
-                threading.Thread(target=self._build, args=(epoch,), daemon=True).start()
-            return self._ready[epoch]
-
-    def _build(self, epoch: int) -> None:
-        try:
-            rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
-            sources = len(self.plan.rows)
-            rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
-                    if self.data.packing else unpacked_rows(rows, sources))
-            if rows.num_rows < self.world_size:
-                raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
-                                     f"data.max_seq_len={self.data.max_seq_len}, fewer than scaling.num_workers="
-                                     f"{self.world_size}; add data, use fewer workers or set data.packing=false")
-            built = [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, self.world_size)]
-        except BaseException as e:  # handed to the rank that asks for this pass
-            built = e
-        with self._lock:
-            self._built[epoch] = built
-            self._ready[epoch].set()
+    def _build(self, epoch: int) -> list[ray.ObjectRef]:
+        rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
+        sources = len(self.plan.rows)
+        rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
+                if self.data.packing else unpacked_rows(rows, sources))
+        if rows.num_rows < self.world_size:
+            raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
+                                 f"data.max_seq_len={self.data.max_seq_len}, fewer than scaling.num_workers="
+                                 f"{self.world_size}; add data, use fewer workers or set data.packing=false")
+        return [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, self.world_size)]
 
     def shard(self, epoch: int, rank: int) -> list:
         """[a reference to this rank's rows of pass `epoch`] (in a list: Ray would resolve a bare one)."""
-        self._start(epoch).wait()
-        built = self._built[epoch]
-        if isinstance(built, BaseException):
-            raise built
-        self._start(epoch + 1)
-        with self._lock:  # a restarted worker group asking for an older pass again gets it rebuilt
-            for old in [e for e in self._built if e < epoch - 1]:
-                del self._built[old], self._ready[old]
-        return [built[rank]]
+        return [self.passes.shard(epoch, rank)]
 
     def first_pass_figures(self) -> dict[str, float]:
         """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised

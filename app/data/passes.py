@@ -75,8 +75,15 @@ def pass_records(plan: PassPlan, epoch: int, shuffle: bool) -> np.ndarray:
 def deal(rows: int, world_size: int) -> list[np.ndarray]:
     """Row indices of each rank's shard: dealt in turn (rank r: rows r, r + W, ...), the remainder left
     out so every rank takes as many steps. Dealt, not cut: after each rank has trained k rows, the pass's
-    first k x W rows are done, whatever W was, so a resume on another worker count skips exactly those."""
+    first k x W rows are done, whatever W was, so a resume on another worker count skips exactly those
+    (`shard_rows_among_first` says how many of each rank's shard)."""
     return [np.arange(r, rows - rows % world_size, world_size) for r in range(world_size)]
+
+
+def shard_rows_among_first(rows: int, rank: int, world_size: int) -> int:
+    """How many rows of `rank`'s shard (rows rank, rank + W, ...) are among the pass's first `rows`: what a
+    rank resumed after those were trained skips, exactly, whatever the worker count that trained them."""
+    return max(rows - rank + world_size - 1, 0) // world_size
 
 
 def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:

@@ -6,19 +6,29 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from app.data.formatting import IGNORE_INDEX
+from app.data.passes import shard_rows_among_first
+
 PassOverShard = Callable[[int], Iterable[dict]]  # epoch -> one pass over this rank's shard
 
 
 class ShardStream:
     """Pass after pass over this rank's shard, so every rank can take exactly max_steps steps.
 
-    `epoch` and `rows_into_epoch` say where the stream stands; a resumed stream skips the rows the
-    checkpointed run had already trained on in that pass (read and dropped: a stream cannot seek).
+    Rank `rank` of `world_size` holds rows rank, rank + W, ... of each pass (app/data/passes.py's `deal`), in
+    batches cut alike on every rank. `epoch` and `rows_into_epoch` say where the ranks stand together: the
+    first `rows_into_epoch` rows of pass `epoch` are trained. A stream resumed there (`skip_rows`) drops the
+    rows of its shard among them (read and dropped: a stream cannot seek). When the checkpointed run had
+    another worker count, the ranks drop counts one row apart; where that empties a rank's first batch, its
+    last row stands in with no target (it trains nothing), so every rank still yields as many batches.
     """
 
-    def __init__(self, one_pass: PassOverShard, device: torch.device, epoch: int = 0, skip_rows: int = 0):
-        self.one_pass, self.device = one_pass, device
-        self.epoch, self.rows_into_epoch, self._skip = epoch, 0, skip_rows
+    def __init__(self, one_pass: PassOverShard, device: torch.device, epoch: int = 0, skip_rows: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        self.one_pass, self.device, self.world_size = one_pass, device, world_size
+        self.epoch, self.rows_into_epoch = epoch, skip_rows
+        self._skip = shard_rows_among_first(skip_rows, rank, world_size)
+        self._first_row = skip_rows // world_size  # the shard row in whose batch every rank resumes
         self._batches = self._generate()
 
     def __next__(self) -> dict:
@@ -29,23 +39,31 @@ class ShardStream:
 
     def _generate(self) -> Iterator[dict]:
         while True:
-            empty = True
+            read = 0
             for batch in self.one_pass(self.epoch):
-                empty = False
                 rows = len(batch["input_ids"])
-                if self._skip >= rows:
-                    self._skip -= rows
-                    self.rows_into_epoch += rows
+                start, read = read, read + rows
+                if read <= self._first_row:  # trained on every rank
                     continue
-                if self._skip:  # the checkpoint fell inside this batch (another batch size): its rest only
-                    batch = {k: v[self._skip:] for k, v in batch.items()}
-                    self.rows_into_epoch, rows, self._skip = self.rows_into_epoch + self._skip, rows - self._skip, 0
-                self.rows_into_epoch += rows
+                self.rows_into_epoch = read * self.world_size
+                skip = self._skip - start
+                if skip >= rows:
+                    batch = without_targets(batch)
+                elif skip > 0:  # the checkpoint fell inside this batch (another batch size): its rest only
+                    batch = {k: v[skip:] for k, v in batch.items()}
                 yield to_device(batch, self.device)
-            if empty:
+            if not read:
                 raise RuntimeError(f"this worker's training shard is empty (pass {self.epoch}); "
                                    "the dataset has fewer rows than workers")
-            self.epoch, self.rows_into_epoch, self._skip = self.epoch + 1, 0, 0
+            self.epoch, self.rows_into_epoch, self._skip, self._first_row = self.epoch + 1, 0, 0, 0
+
+
+def without_targets(batch: dict) -> dict:
+    """The batch's last row with nothing to learn or count: every label ignored, its real tokens and
+    records per source zero."""
+    row = {k: torch.as_tensor(v[-1:]) for k, v in batch.items()}
+    return {k: v if k in ("input_ids", "position_ids") else
+            torch.full_like(v, IGNORE_INDEX) if k == "labels" else torch.zeros_like(v) for k, v in row.items()}
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

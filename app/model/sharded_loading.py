@@ -41,8 +41,8 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
 
 def build_meta_base_model(model_cfg, config_file: str | None = None):
     """The base model with every parameter on the meta device and tied weights tied; buffers (rotary
-    tables, which no checkpoint holds) are computed on the CPU as usual. Reads only the model's config
-    (or `config_file`, a config.json of any model shape)."""
+    tables, which no checkpoint holds) are computed on the CPU as usual. Reads only the model's config and
+    generation config (or `config_file`, a config.json of any model shape)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -57,7 +57,20 @@ def build_meta_base_model(model_cfg, config_file: str | None = None):
                                                 trust_remote_code=model_cfg.trust_remote_code,
                                                 attn_implementation=model_cfg.attn_implementation)
     base.tie_weights()  # init_empty_weights re-creates every parameter, which unties lm_head from the embedding
+    if not config_file:
+        base.generation_config = checkpoint_generation_config(model_cfg, base.generation_config)
     return base
+
+
+def checkpoint_generation_config(model_cfg, default):
+    """The checkpoint's generation_config.json, as from_pretrained reads it (`default` where it has none): its
+    eos ids may name end-of-turn tokens that config.json lacks, which decoding stops on."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_cfg.path, revision=model_cfg.revision)
+    except OSError:
+        return default
 
 
 def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None):

@@ -69,8 +69,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_layers: bool = False) -> nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, final norm, LM head); with
-    `compile_layers`, each layer's forward is torch.compile'd first (torchtitan's order: FSDP's hooks stay
-    outside the compiled code, each layer compiles once and the others reuse its code).
+    `compile_layers`, each layer's forward is torch.compile'd after its fully_shard: FSDP's hooks stay
+    outside the compiled code (each layer compiles once and the others reuse its code), and what is compiled
+    is the forward of the class fully_shard swapped in, the outermost one, which transformers'
+    GradientCheckpointingLayer checkpoints (compiled before, the inner forward runs unchecked).
 
     Parameters keep their original dtypes (frozen base in bf16, LoRA in fp32: the optimizer updates
     fp32 master weights) and are all-gathered and computed in `fsdp.param_dtype`; gradients are
@@ -82,9 +84,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_l
     if fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
         if compile_layers:
             layer.forward = torch.compile(layer.forward)
-        fully_shard(layer, **kwargs)
     # The root (embeddings, LM head) is needed again at once by backward: kept gathered, as fully_shard does by
     # default for a root; the chunked loss (app/train/loss.py) reads the LM head's gathered weight after the forward.
     fully_shard(model, **(kwargs | {"reshard_after_forward": False}))

@@ -2,8 +2,9 @@
 
 A training checkpoint holds only what the base model cannot give back: the LoRA weights and their
 AdamW state (each rank writes its own shard with torch.distributed.checkpoint), plus a small JSON of
-the step, LR-scheduler state and data position, and each rank's RNG state. The frozen base weights
-are never written. DCP reshards on load, so a run saved by N workers resumes on M.
+the step, LR-scheduler state and data position, and each rank's RNG states (the CPU's and its
+accelerator's). The frozen base weights are never written. DCP reshards on load, so a run saved by N
+workers resumes on M.
 """
 
 from __future__ import annotations
@@ -40,23 +41,25 @@ class TrainerState:
     stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
 
 
-def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState,
+def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState, device: torch.device,
                         best_adapter: dict[str, torch.Tensor] | None = None) -> None:
     """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`
-    (rank 0 also the whole `best_adapter`, which every rank holds)."""
+    (rank 0 also the whole `best_adapter`, which every rank holds), and its RNG states on the CPU and on
+    `device`, the rank's accelerator (LoRA dropout draws there)."""
     reshard(model)  # the fp32 shards, not gathered copies an eval forward left behind
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
     rank = dist.get_rank()
-    torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
+    torch.save(rng_states(device), directory / f"rng-rank{rank}.pt")
     if rank == 0:
         (directory / TRAINER_STATE).write_text(json.dumps(asdict(state)))
         if best_adapter is not None:
             save_file({k: v.contiguous() for k, v in best_adapter.items()}, str(directory / BEST_ADAPTER))
 
 
-def load_training_state(directory: Path, model: nn.Module, optimizer) -> TrainerState:
-    """Restore into an already sharded model and its optimizer; resharding to this world size."""
+def load_training_state(directory: Path, model: nn.Module, optimizer, device: torch.device) -> TrainerState:
+    """Restore into an already sharded model and its optimizer, resharding to this world size, and the rank's
+    RNG states on the CPU and on `device`."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=str(directory))
@@ -64,8 +67,26 @@ def load_training_state(directory: Path, model: nn.Module, optimizer) -> Trainer
                    options=_TRAINABLE_ONLY)
     rng = directory / f"rng-rank{dist.get_rank()}.pt"
     if rng.exists():  # absent when resuming on more ranks than saved: the seed set at start stands
-        torch.set_rng_state(torch.load(rng))
+        restore_rng_states(torch.load(rng), device)
     return TrainerState(**json.loads((directory / TRAINER_STATE).read_text()))
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random number generator states: the CPU's, and `device`'s when it is an accelerator."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[device.type] = torch.get_device_module(device).get_rng_state(device)
+    return states
+
+
+def restore_rng_states(states: dict[str, torch.Tensor] | torch.Tensor, device: torch.device) -> None:
+    """Set what rng_states saved; a device state is set only on that kind of device (a run may resume on
+    another). A bare tensor is the CPU state alone, as checkpoints written before device states held it."""
+    if isinstance(states, torch.Tensor):
+        states = {"cpu": states}
+    torch.set_rng_state(states["cpu"])
+    if device.type != "cpu" and device.type in states:
+        torch.get_device_module(device).set_rng_state(states[device.type], device)
 
 
 def load_best_adapter(directory: Path) -> dict[str, torch.Tensor] | None:

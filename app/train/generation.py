@@ -1,14 +1,18 @@
 """Greedy generations on held-out prompts: the sample table and the task metrics (app/train/task_metrics.py).
 
-The prompt of an eval row is everything before its first target token; the reference is its target
-tokens. The prompts are dealt to the ranks, each rank decodes its share as one left-padded batch, and
-the texts are gathered. Decoding runs without a KV cache and every rank runs a forward at every decoding
-step until every rank's rows have ended (FSDP all-gathers parameters in each forward, so the ranks
-must stay in lockstep); a rank with no prompt left decodes a stand-in.
+Each assistant turn of an eval row (a run of target tokens, app/data/formatting.py) is one prompt: the
+conversation up to the turn is the prompt, the turn's target tokens its reference. The prompts are dealt to
+the ranks, each rank decodes its share as one left-padded batch, and the texts are gathered. An answer ends
+at any of the model's end tokens (its generation config's eos ids besides the tokenizer's: Gemma ends a turn
+with <end_of_turn>, Llama 3 with <|eot_id|>). Decoding runs without a KV cache and every rank runs a forward
+at every decoding step until every rank's rows have ended (FSDP all-gathers parameters in each forward, so
+the ranks must stay in lockstep); a rank with no prompt left decodes a stand-in.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,34 +20,53 @@ import torch.distributed as dist
 
 from app.data.formatting import IGNORE_INDEX
 
+log = logging.getLogger(__name__)
+
+
+def target_runs(labels: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of target labels in a row: one assistant turn each."""
+    is_target = (labels != IGNORE_INDEX).int()
+    zero = is_target.new_zeros(1)
+    edges = torch.diff(is_target, prepend=zero, append=zero).nonzero()[:, 0].tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
 
 def prompts_and_references(batches: Iterable[dict], count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `count` eval rows split into (prompt ids, reference ids); rows with no target are skipped.
-    A row that is target from its first token (plain text, a piece of a split record) keeps that first
-    token as its prompt: a model cannot continue an empty prompt."""
+    """The first `count` assistant turns of the eval rows as (prompt ids, reference ids): the row up to the
+    turn, and the turn's target tokens. A row that is target from its first token (plain text, a piece of a
+    split record) keeps that first token as its prompt: a model cannot continue an empty prompt."""
     pairs = []
     for batch in batches:
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
-            targets = (labels != IGNORE_INDEX).nonzero()
-            if len(targets) and len(pairs) < count:
-                start = max(int(targets[0, 0]), 1)
-                reference = ids[start:][labels[start:] != IGNORE_INDEX]
-                if len(reference):
-                    pairs.append((ids[:start], reference))
+            for start, end in target_runs(labels):
+                start = max(start, 1)
+                if start < end:
+                    pairs.append((ids[:start], ids[start:end]))
+                if len(pairs) == count:
+                    return pairs
     return pairs
 
 
+def end_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends an answer: the model's generation config's eos_token_id (an int or a list) and
+    the tokenizer's eos."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {configured} if isinstance(configured, int) else set(configured or ())
+    return sorted(ids | ({tokenizer.eos_token_id} - {None}))
+
+
 @torch.no_grad()
-def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int | None, pad_id: int,
+def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_ids: list[int], pad_id: int,
                  device: torch.device, everyone_done: Callable[[bool], bool] = bool) -> list[torch.Tensor]:
     """The argmax continuations of several prompts at once (left-padded; position ids count real tokens
-    only), each cut after its first end-of-sequence token. `everyone_done(mine)` says whether every rank's
+    only), each cut after its first token of `end_ids`. `everyone_done(mine)` says whether every rank's
     rows have ended: the loop stops only then."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, prompt in enumerate(prompts):
         ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt.to(device), 1
+    ends = torch.tensor(end_ids, dtype=torch.long, device=device)
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
@@ -52,14 +75,13 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id
         next_id = torch.where(ended, pad_id, next_id)
         new.append(next_id)
         ids, mask = torch.cat([ids, next_id[:, None]], 1), torch.cat([mask, (~ended)[:, None].long()], 1)
-        if eos_id is not None:
-            ended |= next_id == eos_id
+        ended |= torch.isin(next_id, ends)
         if everyone_done(bool(ended.all())):
             break
     out = torch.stack(new, 1).cpu() if new else torch.zeros(len(prompts), 0, dtype=torch.long)
     continuations = []
     for row, done in zip(out, ended.cpu()):
-        cut = int((row == eos_id).nonzero()[0, 0]) + 1 if done else len(row)
+        cut = int(torch.isin(row, ends.cpu()).nonzero()[0, 0]) + 1 if done else len(row)
         continuations.append(row[:cut])
     return continuations
 
@@ -70,18 +92,36 @@ def _all_ranks_done(mine: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def answer_length(reference: torch.Tensor, end_ids: list[int]) -> int:
+    """Tokens of a reference before its end token: what a generation must fit to match it."""
+    ended = torch.isin(reference, torch.tensor(end_ids, dtype=reference.dtype)).nonzero()
+    return int(ended[0, 0]) if len(ended) else len(reference)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
 def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_new_tokens: int,
-                     device: torch.device) -> dict[str, list[str]]:
-    """A table (column -> values) of prompt, reference and generated text for up to `count` eval rows,
-    the same on every rank (the rows are decoded across the ranks of the default process group)."""
+                     device: torch.device, max_new_tokens_setting: str = "eval.max_new_tokens") -> dict[str, list[str]]:
+    """A table (column -> values) of prompt, reference and generated text for up to `count` eval prompts,
+    the same on every rank (the prompts are decoded across the ranks of the default process group). Rank 0
+    warns, once, of references longer than `max_new_tokens` (named `max_new_tokens_setting`)."""
     pairs = prompts_and_references(batches, count)
     rank, world = dist.get_rank(), dist.get_world_size()
+    end_ids = end_token_ids(model, tokenizer)
+    too_long = sum(answer_length(reference, end_ids) > max_new_tokens for _, reference in pairs)
+    if too_long and rank == 0:
+        _warn_once(f"{too_long} of {len(pairs)} reference answers are longer than {max_new_tokens_setting}="
+                   f"{max_new_tokens} tokens: their generations are cut short and can never match them; "
+                   f"raise {max_new_tokens_setting}")
     mine = list(range(rank, len(pairs), world))
     prompts = [pairs[i][0] for i in mine] or [pairs[0][0] if pairs else torch.tensor([tokenizer.eos_token_id or 0])]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     was_training = model.training
     model.eval()
-    texts = greedy_batch(model, prompts, max_new_tokens, tokenizer.eos_token_id, pad_id, device,
+    texts = greedy_batch(model, prompts, max_new_tokens, end_ids, pad_id, device,
                          lambda mine_done: _all_ranks_done(mine_done, device))
     model.train(was_training)
     decoded = {i: tokenizer.decode(t, skip_special_tokens=True) for i, t in zip(mine, texts)}

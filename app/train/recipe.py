@@ -113,7 +113,7 @@ class FinetuneRecipe:
         self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
                                        num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.max_steps)
-        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer),
+        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer, ctx.device),
                                                          load_best_adapter(d)))
                     if self.checkpoints else None)
         self.best, self.best_adapter = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience), None
@@ -131,8 +131,8 @@ class FinetuneRecipe:
             self.eval_loss = None  # nothing evaluated in this attempt yet
             self.tracker.log_metrics({"resumed_from_step": self.state.step}, step=self.state.step,
                                      once_per_step=False)
-        self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch,
-                                   self.state.rows_into_epoch // ctx.world_size)
+        self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch, self.state.rows_into_epoch,
+                                   ctx.rank, ctx.world_size)
         self.train_loss, self.step = self.state.train_loss, self.state.step
         self.stopped_early = self.state.stopped_early
 
@@ -235,17 +235,16 @@ class FinetuneRecipe:
             table = {column: values[:count] for column, values in self.generations.items()}
             return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
         return generation_table(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
-                                cfg.train.sample_max_new_tokens, self.ctx.device)
+                                cfg.train.sample_max_new_tokens, self.ctx.device, "train.sample_max_new_tokens")
 
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
         """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
         reads it from Ray Train, not from MLflow)."""
-        position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch * self.ctx.world_size,
-                                self.scheduler.state_dict(), self.state.initial_eval_loss, self.train_loss,
-                                self.best.state(), self.stopped_early)
+        position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch, self.scheduler.state_dict(),
+                                self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early)
         t_save = time.perf_counter()
         self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,
-                                                            self.best_adapter),
+                                                            self.ctx.device, self.best_adapter),
                               {"step": step, "train_loss": self.train_loss, **(summary or {})})
         self.tracker.log_metrics({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
 

@@ -1,7 +1,8 @@
 """Task metrics: how often the model's greedy answers to held-out prompts are right.
 
-Each evaluation decodes up to `eval.generation_rows` eval prompts (app/train/generation.py) and scores each
-generation against its reference with every metric in `eval.metrics`: `exact_match`, `contains`, or a
+Each evaluation decodes up to `eval.generation_rows` eval prompts (app/train/generation.py: each assistant
+turn of a conversation is one, its reference that turn's answer) and scores each generation against its
+reference with every metric in `eval.metrics`: `exact_match`, `contains`, or a
 user function named `module:function` taking (prediction, reference) and returning a float. The mean
 over the rows is logged as `eval_<name>` (a user function: `eval_<function>`).
 """

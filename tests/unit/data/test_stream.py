@@ -1,7 +1,9 @@
 """The data position a checkpoint records, and what a resumed stream skips (plain Python, no Ray)."""
 
+import pytest
 import torch
 
+from app.data.formatting import IGNORE_INDEX
 from app.data.stream import ShardStream
 
 
@@ -42,3 +44,48 @@ def test_a_checkpoint_inside_a_batch_resumes_with_the_rest_of_it():
     resumed = ShardStream(_shard(12, 4), torch.device("cpu"), skip_rows=6)  # 6 rows done; batches of 4
     assert _rows(resumed, 2) == list(range(6, 12))  # rows 6-7 (the rest of a batch), then 8-11
     assert resumed.rows_into_epoch == 12
+
+
+def _dealt(rows: int, batch: int, rank: int, world: int):
+    """Rank `rank`'s shard of a pass over rows 0..rows-1 dealt to `world` ranks (rows rank, rank + W, ...), in
+    batches; row numbers travel in input_ids and labels."""
+    def one_pass(epoch: int):
+        ids = torch.arange(rank, rows - rows % world, world)
+        return [{"input_ids": ids[i:i + batch, None], "labels": ids[i:i + batch, None]}
+                for i in range(0, len(ids), batch)]
+    return one_pass
+
+
+def _trained(batch: dict) -> list[int]:
+    """The rows of a batch that carry targets (a stand-in row has none)."""
+    return [int(r) for r, labels in zip(batch["input_ids"][:, 0], batch["labels"]) if (labels != IGNORE_INDEX).any()]
+
+
+@pytest.mark.parametrize("before, after, batch_before, batch_after, steps, stand_ins", [
+    (3, 2, 5, 5, 1, 0),  # 15 rows trained; on 2 ranks rank 0 holds 8 of them, rank 1 7: the rest of a batch each
+    (3, 2, 5, 4, 1, 1),  # the same, batches of 4: rank 0's 8 end a batch, so a stand-in row keeps it in step
+    (2, 3, 3, 1, 2, 0),  # 12 rows: 4 on each of 3 ranks
+    (4, 3, 1, 1, 5, 2),  # 20 rows: 7, 7 and 6; batches of one row, so ranks 0 and 1 take a stand-in
+    (3, 4, 1, 3, 3, 1),  # 9 rows: 3, 2, 2 and 2
+])
+def test_a_pass_resumed_on_another_worker_count_trains_every_row_once(before, after, batch_before, batch_after,
+                                                                      steps, stand_ins):
+    rows = 41
+    first = [ShardStream(_dealt(rows, batch_before, r, before), torch.device("cpu"), rank=r, world_size=before)
+             for r in range(before)]
+    trained = [row for stream in first for _ in range(steps) for row in _trained(next(stream))]
+    position = first[0].rows_into_epoch  # what the checkpoint records
+    assert position == before * batch_before * steps == len(trained)
+    resumed = [ShardStream(_dealt(rows, batch_after, r, after), torch.device("cpu"), 0, position, r, after)
+               for r in range(after)]
+    assert all(stream.rows_into_epoch == position for stream in resumed)
+    seen_stand_ins = 0
+    while True:
+        batches = [next(stream) for stream in resumed]  # one micro-batch per rank, as a step takes them
+        assert len({(stream.epoch, stream.rows_into_epoch) for stream in resumed}) == 1  # the ranks in step
+        if resumed[0].epoch:
+            break
+        trained += [row for batch in batches for row in _trained(batch)]
+        seen_stand_ins += sum(len(batch["input_ids"]) - len(_trained(batch)) for batch in batches)
+    assert sorted(trained) == list(range(rows - rows % after))  # none twice, none missed (bar the set-aside)
+    assert seen_stand_ins == stand_ins

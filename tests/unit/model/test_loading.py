@@ -131,3 +131,17 @@ def test_fused_experts_make_the_job_load_the_model_whole_with_a_warning(embedded
     warning = capsys.readouterr().err.strip()
     assert warning.startswith("warning: model.load=sharded: transformers builds model.layers.0.mlp.experts.")
     assert warning.endswith("every worker loads the whole model instead (model.load=full)") and "\n" not in warning
+
+
+def test_the_meta_built_model_has_the_checkpoints_generation_config(embedded, tmp_path):
+    """Gemma's and Llama 3's end-of-turn tokens are eos ids of generation_config.json only (config.json names
+    one): decoding stops on them (app/train/generation.py) whichever way the model loads."""
+    from transformers import GenerationConfig
+
+    from app.model.sharded_loading import build_meta_base_model
+
+    path = tiny_checkpoint("gemma2", tmp_path / "gemma2", embedded["model"])
+    GenerationConfig(bos_token_id=1, eos_token_id=[3, 7], pad_token_id=0).save_pretrained(path)
+    cfg = load_config(None, [f"model.path={path}", *OVERRIDES])
+    assert build_lora_model(cfg.model, cfg.lora, seed=0).generation_config.eos_token_id == [3, 7]
+    assert build_meta_base_model(cfg.model).generation_config.eos_token_id == [3, 7]

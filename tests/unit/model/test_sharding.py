@@ -115,3 +115,43 @@ def test_compiled_layers_train_like_eager_ones(embedded, tmp_path):
     for name, grad in compiled.items():
         torch.testing.assert_close(grad, eager[name], rtol=1e-3, atol=1e-5 * eager[name].abs().max().item(),
                                    msg=name)
+
+
+def _activation_bytes_saved_for_backward(model, ids: torch.Tensor) -> int:
+    """What one training forward saves for backward, less the weights (alive anyway): what activation
+    checkpointing exists to shrink. (Tensors saved inside a checkpointed region go to its own hooks.)"""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        weights = {id(p) for p in model.parameters()}  # the gathered ones while a layer runs
+        if id(tensor) not in weights and id(tensor._base) not in weights:
+            saved.append(tensor.nbytes)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(saved)
+
+
+def _checkpointing_under_compile(rank: int, world: int, model_path: str, out: str) -> None:
+    ids = torch.randint(4, 300, (4, 64), generator=torch.Generator().manual_seed(rank))
+    saved = {}
+    for checkpointing, compiled in ((True, False), (True, True), (False, True)):
+        cfg = load_config(None, [f"model.path={model_path}", "fsdp.param_dtype=float32", "lora.dropout=0",
+                                 f"model.gradient_checkpointing={str(checkpointing).lower()}"])
+        model = build_lora_model(cfg.model, cfg.lora, seed=0)
+        shard_model(model, build_device_mesh("cpu"), cfg.fsdp, compile_layers=compiled).train()
+        saved[checkpointing, compiled] = _activation_bytes_saved_for_backward(model, ids)
+    torch.save(saved, f"{out}/checkpointing.pt")
+
+
+def test_compiled_layers_keep_activation_checkpointing(embedded, tmp_path):
+    """model.compile with gradient_checkpointing: transformers checkpoints only the outermost forward of a
+    layer's class, so what is compiled must be that one. Compiled layers then save about the activations
+    eager checkpointed ones do (their inputs besides), far fewer than compiled layers without checkpointing.
+    (Counting the checkpoint calls would not do: a counter makes torch.compile recompile at each call.)"""
+    run_ranks(_checkpointing_under_compile, 1, str(embedded["model"]), str(tmp_path))
+    saved = torch.load(tmp_path / "checkpointing.pt")
+    assert saved[True, True] < 1.2 * saved[True, False]
+    assert saved[True, True] < 0.5 * saved[False, True]

@@ -1,5 +1,6 @@
-"""Everything the driver checks before Ray starts: the model, its tokenizer and LoRA targets, every data
-source and its records. A mistake costs a second and one line naming the key, file or line."""
+"""Everything the driver checks before Ray starts: the model, its tokenizer and LoRA targets, whether packed
+rows keep its records apart, every data source and its records. A mistake costs a second and one line
+naming the key, file or line."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import sys
 from dataclasses import dataclass
 
 from app.config.paths import looks_local
-from app.config.schema import FinetuneConfig
+from app.config.schema import FinetuneConfig, ModelSection
 from app.data.formatting import check_chat_template
 from app.data.sources import DataSource, check_source, resolve_source
 from app.errors import UserInputError
 from app.model.build import check_lora_targets, check_model_source, load_tokenizer
+from app.model.packing_probe import packing_problem
 from app.model.sharded_loading import sharded_loading_problem
 from app.train import task_metrics
 
@@ -40,9 +42,23 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     check_lora_targets(cfg.model, cfg.lora)
+    if cfg.data.packing:
+        check_packing(cfg.model)
     for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
     return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
+
+
+def check_packing(model: ModelSection) -> None:
+    """Packed rows must train each record as if it were alone: a tiny random copy of the model's architecture
+    shows whether (and how) they do (app/model/packing_probe.py); where nothing keeps records apart, packing
+    is refused here, before any worker starts."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    problem = packing_problem(config, model.attn_implementation, model.trust_remote_code)
+    if problem:
+        raise UserInputError(problem)
 
 
 def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:

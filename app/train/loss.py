@@ -13,7 +13,8 @@ logits of one chunk exist at a time (fp32 logits of seq 2048 x micro 2 x a 128k 
 
 from __future__ import annotations
 
-import inspect
+import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.data.formatting import IGNORE_INDEX
+from app.model.packing_probe import packed_row_inputs
+
+log = logging.getLogger(__name__)
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:
@@ -47,23 +51,75 @@ def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor
     """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch; with
     `chunk_tokens`, computed in chunks where the model's output head allows it."""
     batch = _as_one_sequence_for_flash(model, batch)
+    lm = _causal_lm(model)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
+    if inputs["position_ids"] is not None:  # packed rows: what keeps their records apart in this model
+        inputs |= packed_row_inputs(lm.config, inputs["position_ids"], lm.get_input_embeddings().weight.dtype)
     labels = batch["labels"][:, 1:].flatten()
     head = chunkable_head(model) if chunk_tokens else None
-    if head is None:
+    softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
+    hidden = _head_input(model, head, inputs, softcap) if head is not None else None
+    if hidden is None:
         logits = model(**inputs).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX,
                                reduction="sum")
-    captured = {}
-    body = _decoder_body(model)
-    hook = body.register_forward_hook(lambda module, args, output: captured.update(hidden=output[0]))
-    try:  # the model's own forward (FSDP's hooks run, the root's weights stay gathered for backward)
-        model(**inputs, logits_to_keep=1)
+    return ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels, chunk_tokens, softcap)
+
+
+STAND_IN_LOGIT = 64.0  # what the head's stand-in returns: anything done to logits after the head moves it
+
+
+def _head_input(model, head: nn.Linear, inputs: dict, softcap: float | None) -> torch.Tensor | None:
+    """The hidden states the output head is given, from the model's own forward (FSDP's hooks run, the root's
+    weights stay gathered for backward) with a stand-in for the head that keeps its input and makes no logits.
+
+    None, warned once, where the chunked loss would not give the model's loss: the head is not called once
+    on [batch, length, hidden] (a forward that reads its weight directly), or, checked at a model class's
+    first call, the model changes the head's output in a way the chunked loss does not repeat (a logit
+    scale, a cap other than Gemma's softcapping). That class takes the plain loss from then on."""
+    seen = []
+
+    def stand_in(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden)
+        return hidden.new_full((*hidden.shape[:-1], 1), STAND_IN_LOGIT)
+
+    own_forward = head.__dict__.get("forward")
+    head.forward = stand_in
+    try:
+        logits = model(**inputs).logits
     finally:
-        hook.remove()
-    hidden = captured["hidden"][:, :-1].flatten(0, 1)
-    softcap = getattr(_causal_lm(model).config.get_text_config(), "final_logit_softcapping", None)
-    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, labels, chunk_tokens, softcap)
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward
+    lm_class = type(_causal_lm(model))
+    if len(seen) != 1 or seen[0].shape[:2] != inputs["input_ids"].shape:
+        problem = "does not hand its output head the final hidden states once per forward"
+    elif lm_class not in _HEAD_CHECKED and not _logits_are_the_heads(logits, softcap, inputs["input_ids"].shape):
+        problem = "changes the output head's logits in a way the chunked loss does not (a scale or cap)"
+    else:
+        _HEAD_CHECKED.add(lm_class)
+        return seen[0]
+    _PLAIN_LOSS.add(lm_class)
+    _warn_once(f"train.loss_chunk_tokens: {lm_class.__name__} {problem}; it takes the plain loss (full logits)")
+    return None
+
+
+def _logits_are_the_heads(logits: torch.Tensor, softcap: float | None, shape: torch.Size) -> bool:
+    expected = torch.tensor(STAND_IN_LOGIT)
+    if softcap:
+        expected = torch.tanh(expected / softcap) * softcap
+    return (logits is not None and logits.shape == (*shape, 1)
+            and torch.allclose(logits.float().cpu(), expected, rtol=4 * torch.finfo(logits.dtype).eps, atol=0))
+
+
+_HEAD_CHECKED: set[type] = set()  # CausalLM classes whose logits are their head's output, softcapped or not
+_PLAIN_LOSS: set[type] = set()  # and those whose loss the chunked loss does not give
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _as_one_sequence_for_flash(model, batch: dict) -> dict:
@@ -80,11 +136,6 @@ def _causal_lm(model) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _decoder_body(model) -> nn.Module:
-    lm = _causal_lm(model)
-    return getattr(lm, lm.base_model_prefix)
-
-
 # Config fields that change logits after the head (a scale or multiplier); a model with any of them set
 # takes the plain loss. Softcapping is applied by the chunked loss itself.
 LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier_scale",
@@ -92,14 +143,12 @@ LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "outp
 
 
 def chunkable_head(model) -> nn.Linear | None:
-    """The output projection when logits are `hidden @ weight.T` (softcapped or not) and the model's forward
-    takes `logits_to_keep`; None where the model does more (a bias, a logit scale or multiplier, a
-    LoRA-adapted head) or its forward is another (remote code): those take the plain loss."""
+    """The output projection when logits are `hidden @ weight.T` (softcapped or not); None where the model
+    does more (a bias, a logit scale or multiplier, a LoRA-adapted head) or was found to (_head_input):
+    those take the plain loss."""
     lm = _causal_lm(model)
     head = lm.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None or not hasattr(lm, lm.base_model_prefix):
-        return None
-    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+    if type(head) is not nn.Linear or head.bias is not None or type(lm) in _PLAIN_LOSS:
         return None
     configs = {id(c): c for c in (lm.config, lm.config.get_text_config())}.values()
     if any(getattr(c, name, None) not in (None, 1, 1.0) for c in configs for name in LOGIT_TRANSFORMS):
@@ -146,5 +195,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
+        scale = grad_total.float()  # the loss scale (world size / N) in fp32: rounded to bf16 it is up to 0.4% off
+        return (None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
                 None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None)

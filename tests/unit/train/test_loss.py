@@ -1,17 +1,20 @@
 """The chunked cross-entropy gives the plain loss and the plain gradients, alone and under FSDP2."""
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from app.config.schema import load_config
 from app.data.formatting import IGNORE_INDEX
 from app.model.build import build_lora_model
 from app.model.sharding import build_device_mesh, shard_model
-from app.train.loss import chunkable_head, summed_token_loss
+from app.train.loss import ChunkedLinearCrossEntropy, chunkable_head, summed_token_loss
 from tests.helpers import ARCHITECTURES, TINY, run_ranks
 
 
@@ -53,6 +56,43 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_lora_gradients(architect
     _assert_same_grads(grads, plain_grads)
 
 
+@pytest.mark.parametrize("architecture,sizes", [("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0}),
+                                                ("recurrent_gemma", {"attention_window_size": 16, "lru_width": 64})])
+def test_the_chunked_loss_is_the_models_loss_where_the_body_is_bypassed_or_logits_capped_otherwise(architecture, sizes):
+    """OPT's CausalLM calls its decoder, not its base model (a hook on the base model found no hidden states:
+    KeyError); Recurrent Gemma caps logits under its own config name (left uncapped, the loss was off)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(architecture, **(TINY | sizes))
+    model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    plain_loss, plain_grads = _loss_and_grads(model, _batch(), chunk_tokens=0)
+    loss, grads = _loss_and_grads(model, _batch(), chunk_tokens=7)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    _assert_same_grads(grads, plain_grads)
+
+
+class _HeadWeightOnly(LlamaForCausalLM):
+    """A forward that multiplies by the head's weight itself instead of calling the head (as remote code may)."""
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(logits=F.linear(hidden, self.lm_head.weight))
+
+
+def test_where_the_head_is_not_called_the_chunked_loss_falls_back_to_the_plain_loss_with_one_warning(caplog):
+    torch.manual_seed(0)
+    model = _HeadWeightOnly(LlamaConfig(**TINY)).float()
+    plain_loss, plain_grads = _loss_and_grads(model, _batch(2), chunk_tokens=0)
+    with caplog.at_level(logging.WARNING, logger="app.train.loss"):
+        losses = [_loss_and_grads(model, _batch(2), chunk_tokens=7) for _ in range(2)]
+    assert [loss for loss, _ in losses] == [plain_loss, plain_loss]
+    _assert_same_grads(losses[1][1], plain_grads)
+    assert [r.getMessage() for r in caplog.records] == [
+        "train.loss_chunk_tokens: _HeadWeightOnly does not hand its output head the final hidden states once per "
+        "forward; it takes the plain loss (full logits)"]
+    assert chunkable_head(model) is None  # the next micro-batch goes straight to the plain loss
+
+
 def test_a_trained_head_gets_the_plain_gradient_too():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), dtype=torch.float32)
@@ -84,3 +124,23 @@ def test_under_fsdp2_the_chunked_loss_gives_the_same_reduced_gradients(embedded,
     (plain_loss, plain), (loss, chunked) = results[0], results[5]
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     _assert_same_grads(chunked, plain)
+
+
+def test_the_chunked_loss_applies_the_loss_scale_in_fp32_not_rounded_to_bf16():
+    """A bf16 model: the step backpropagates loss x (world size / N). With that scale rounded to bf16 (1/3 is
+    0.2% off there) every gradient, and so where clipping starts, would be off by as much."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(256, 32, generator=g).bfloat16()
+    weight = (torch.randn(512, 32, generator=g) * 0.3).bfloat16()
+    labels = torch.randint(0, 512, (256,), generator=g)
+    scale = torch.tensor(1 / 3, dtype=torch.float64)  # what scaled_micro_batch_loss multiplies by for N = 3
+    assert abs(scale.bfloat16().item() * 3 - 1) > 1e-3  # this scale does round badly in bf16
+    grads = []
+    for factor in (1.0, scale):
+        h = hidden.clone().requires_grad_()
+        (ChunkedLinearCrossEntropy.apply(h, weight, labels, 64, None) * factor).backward()
+        grads.append(h.grad.double())
+    unscaled, scaled = grads
+    kept = unscaled != 0
+    ratio = (scaled[kept] / (unscaled[kept] * scale)).mean().item()
+    assert ratio == pytest.approx(1, abs=2e-4)  # rounded once to bf16, without bias

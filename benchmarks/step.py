@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from app.data.formatting import IGNORE_INDEX
 from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.model.sharded_loading import (
     allocate_local_shards,
@@ -60,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attn-implementation", help="model.attn_implementation, e.g. flash_attention_2")
     p.add_argument("--mesh", type=int, nargs=2, metavar=("REPLICAS", "SHARD"))
     p.add_argument("--loss-chunk-tokens", type=int, default=1024, help="as train.loss_chunk_tokens; 0: plain loss")
+    p.add_argument("--pack", type=int, default=1, metavar="RECORDS",
+                   help="records per row, packed as data.packing does (restarting position ids)")
     return p.parse_args(argv)
 
 
@@ -152,13 +155,26 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
+def synthetic_batch(rows: int, seq_len: int, records_per_row: int, vocab: int, generator) -> dict:
+    """Random tokens; with several records per row, laid out as data.packing lays them out: position ids
+    restart at each record and a record's first token is not a target (it would be predicted from the
+    record before it)."""
+    input_ids = torch.randint(0, vocab, (rows, seq_len), generator=generator)
+    batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+    if records_per_row > 1:
+        length = -(-seq_len // records_per_row)
+        batch["position_ids"] = (torch.arange(seq_len) % length).expand(rows, seq_len).contiguous()
+        batch["labels"][batch["position_ids"] == 0] = IGNORE_INDEX
+    return batch
+
+
 def train(model, args, device: torch.device, world: int, t_start: float) -> dict:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(dist.get_rank())
-    batch = {"input_ids": torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=generator).to(device)}
-    batch["labels"] = batch["input_ids"].clone()
+    batch = {k: v.to(device) for k, v in synthetic_batch(args.micro_batch, args.seq_len, args.pack, vocab,
+                                                          generator).items()}
     tokens = torch.tensor(float(args.micro_batch * args.seq_len * args.accum * world), device=device)
     times = []
     first_step = None
@@ -174,12 +190,14 @@ def train(model, args, device: torch.device, world: int, t_start: float) -> dict
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        last_loss = loss.item()
         first_step = first_step or time.perf_counter() - t_start
     steady = times[args.warmup:] or times
     tokens_per_worker = args.micro_batch * args.seq_len * args.accum * len(steady) / sum(steady)
     out = {"steps": args.steps, "step_seconds_median": statistics.median(steady),
            "step_seconds_mean_steady": statistics.mean(steady),
            "tokens_per_second_per_worker": tokens_per_worker, "time_to_first_step_seconds": first_step,
+           "last_micro_batch_loss": last_loss,
            "peak_memory_gb": peak_memory_gb(device),
            "optimizer_bytes_per_worker": sum(local_region(t)[0].numel() * t.element_size()
                                              for s in optimizer.state.values() for t in s.values() if t.dim())}

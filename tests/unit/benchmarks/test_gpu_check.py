@@ -1,0 +1,27 @@
+"""The GPU check (benchmarks/gpu_check.py) is run where no test runs: on a machine with a GPU. These keep its
+parts working here, on the CPU: the packing check tells an isolated packed row from a leaking one, and the
+step it times runs packed rows through torchrun and reports a finite loss."""
+
+import json
+
+import torch
+
+from benchmarks.gpu_check import TINY_SHAPE, packing_gaps, run_step
+
+
+def test_the_packing_check_passes_isolated_rows_and_sees_a_leak():
+    gaps = packing_gaps(torch.device("cpu"), smoke=True)
+    assert set(gaps) == {"sdpa_float32", "sdpa_bfloat16"}
+    for name, figures in gaps.items():
+        assert figures["gap"] < 1e-5, name  # the job's packed rows: each record as if it were alone
+        assert figures["leak"] > 1e-3, name  # the same row without position ids: the check could fail
+        assert figures["isolated"]
+
+
+def test_the_timed_step_trains_packed_rows_under_torchrun(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_SHAPE))
+    result = run_step(["--model-config", str(tmp_path / "config.json"), "--seq-len", "64", "--micro-batch", "2",
+                       "--steps", "2", "--warmup", "1", "--pack", "4", "--param-dtype", "float32"], limit=240)
+    assert "error" not in result, result.get("error")
+    assert result["steps"] == 2 and result["tokens_per_second_per_worker"] > 0
+    assert 0 < result["last_micro_batch_loss"] < 10

@@ -1,0 +1,110 @@
+"""Direct Preference Optimization: the loss of a micro-batch of (chosen, rejected) pairs, and its metrics.
+
+The policy is the PEFT LoRA model; the reference is the same model with its adapter disabled, run
+without gradients: no second copy of the weights. Chosen and rejected answers go through one forward,
+concatenated along the batch (rows 0..B-1 chosen, B..2B-1 rejected), as the reference's do.
+
+Normalisation as in app/train/loss.py, with pairs in place of target tokens: each micro-batch
+contributes `sum of its pairs' losses / P`, P the pairs of the whole optimizer step over every rank,
+scaled by the world size since FSDP averages gradients over ranks. So 1 and N workers, and any
+accumulation split, take the same step: the mean over the global batch's pairs.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from app.data.formatting import IGNORE_INDEX
+
+# TRL's metric names, so curves compare across tools; each is a mean over pairs.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def concatenated(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and labels of the chosen rows, then the rejected rows, right-padded to one width. Any id
+    pads: under the causal mask no real token attends to a later position, and pads carry no loss."""
+    width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+
+    def side(name: str, pad: int) -> torch.Tensor:
+        rows = batch[name]
+        return F.pad(rows, (0, width - rows.shape[1]), value=pad)
+
+    ids = torch.cat([side("chosen_input_ids", 0), side("rejected_input_ids", 0)])
+    labels = torch.cat([side("chosen_labels", IGNORE_INDEX), side("rejected_labels", IGNORE_INDEX)])
+    return ids, labels
+
+
+def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(answer | prompt) of each row: the log-probs of its target tokens (labels != -100), summed.
+    From the whole micro-batch's logits in fp32 (2B x length x vocabulary): train.loss_chunk_tokens does not
+    apply here yet."""
+    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    token_logps = -F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    return (token_logps * (targets != IGNORE_INDEX)).sum(-1)
+
+
+def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same log-probs from the base model: the PEFT model with its adapter disabled, without gradients
+    (a model without `disable_adapter` is its own reference: no LoRA to disable)."""
+    off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+    with torch.no_grad(), off:
+        return sequence_logps(model, input_ids, labels)
+
+
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+               label_smoothing: float = 0.0) -> torch.Tensor:
+    """Each pair's loss, from h = its chosen answer's log-ratio to the reference minus its rejected one's."""
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if loss_type == "sigmoid":  # label_smoothing: conservative DPO, a share of the labels assumed flipped
+        return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * h)
+    raise ValueError(f"dpo.loss_type={loss_type}: use sigmoid, ipo or hinge")
+
+
+def pair_count(batch: dict) -> int:
+    return len(batch["chosen_input_ids"])
+
+
+def global_pair_count(micro_batches: list[dict], device: torch.device | str = "cpu") -> torch.Tensor:
+    """P for this step: one all-reduce of a scalar, before any forward pass."""
+    count = torch.tensor(float(sum(pair_count(b) for b in micro_batches)), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    return count
+
+
+def metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float) -> torch.Tensor:
+    """The METRICS of a micro-batch, summed over its pairs (all-reduce, then divide by the pairs)."""
+    chosen = beta * (policy_chosen - ref_chosen).detach()
+    rejected = beta * (policy_rejected - ref_rejected).detach()
+    per_pair = torch.stack([chosen, rejected, (chosen > rejected).to(chosen.dtype), chosen - rejected,
+                            policy_chosen.detach(), policy_rejected.detach()])
+    return per_pair.double().sum(-1)
+
+
+def metrics_from_sums(sums: torch.Tensor, pairs: float) -> dict[str, float]:
+    return dict(zip(METRICS, (sums / pairs).tolist()))
+
+
+def scaled_micro_batch_dpo_loss(model, batch: dict, global_pairs: torch.Tensor, world_size: int, beta: float,
+                                loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    """What one rank backpropagates for one micro-batch of pairs; returns (that loss, its unscaled loss sum,
+    its METRICS summed over its pairs). The reference's forward runs first, without gradients."""
+    ids, labels = concatenated(batch)
+    pairs = pair_count(batch)
+    ref_chosen, ref_rejected = reference_logps(model, ids, labels).split(pairs)
+    policy_chosen, policy_rejected = sequence_logps(model, ids, labels).split(pairs)
+    loss_sum = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type,
+                          label_smoothing).sum()
+    sums = metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    return loss_sum * (world_size / global_pairs), loss_sum.detach(), sums

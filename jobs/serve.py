@@ -8,15 +8,22 @@ POST /v1/chat/completions (GET /v1/models lists the names; `--base-name`, defaul
 without an adapter). The HTTP proxy binds to 127.0.0.1 unless --host says otherwise. Locally it starts
 Ray and serves until Ctrl-C; on a cluster (`ray job submit -- python -m jobs.serve ... --detach`) it
 deploys the application and returns, and `serve shutdown` or `serve.delete` removes it.
+
+With SERVE_API_KEY in the environment (or --api-key-file) every request needs `Authorization: Bearer
+KEY`; a --host other than loopback without a key is refused. Concurrent requests are batched (up to
+--max-batch-size per generate call); a replica takes --max-ongoing-requests at once and queues
+--max-queued-requests more (503 beyond); a request still unanswered after --request-timeout-s is ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import time
 
+from app.config.paths import export_credentials
 from app.errors import UserInputError
 
 
@@ -24,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--adapter", action="append", required=True, metavar="NAME=SOURCE",
                         help="an adapter to serve under NAME (repeatable)")
-    parser.add_argument("--base", help="the base model (default: the one the first adapter was trained on)")
+    parser.add_argument("--base", help="the base model (default: the one the adapters were trained on, which "
+                        "must be one; a recorded sha256 is checked)")
     parser.add_argument("--base-name", default="base", help="the model name that answers without an adapter")
     parser.add_argument("--output-dir", default=os.environ.get("FINETUNE_STORAGE", "outputs"),
                         help="where run names are looked up (train.output_dir)")
@@ -32,6 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="when a request gives no max_tokens")
     parser.add_argument("--name", default="finetune-chat", help="the Serve application's name")
+    parser.add_argument("--api-key-file", help="a file holding the API key (default: $SERVE_API_KEY)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="requests per generate call")
+    parser.add_argument("--max-ongoing-requests", type=int, default=32, help="requests a replica takes at once")
+    parser.add_argument("--max-queued-requests", type=int, default=64, help="requests queued beyond those (503)")
+    parser.add_argument("--request-timeout-s", type=float, default=300.0, help="end a request after this long")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     parser.add_argument("--detach", action="store_true", help="deploy and return (on a running cluster)")
     return parser.parse_args(argv)
 
@@ -48,6 +62,42 @@ def adapters_by_name(specs: list[str]) -> dict[str, str]:
     return adapters
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file or $SERVE_API_KEY; none is refused where the host is not loopback."""
+    if args.api_key_file:
+        try:
+            key = open(args.api_key_file).read().strip()
+        except OSError as e:
+            raise UserInputError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise UserInputError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    key = os.environ.get("SERVE_API_KEY", "").strip() or None
+    if key is None and not loopback(args.host):
+        raise UserInputError(f"--host {args.host}: serving beyond loopback needs an API key (SERVE_API_KEY or "
+                             "--api-key-file)")
+    return key
+
+
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    for flag in ("port", "max_new_tokens", "max_batch_size", "max_ongoing_requests", "max_body_bytes",
+                 "request_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise UserInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if args.max_queued_requests < 0:
+        raise UserInputError(f"--max-queued-requests {args.max_queued_requests}: must be 0 or more")
+    if args.max_ongoing_requests < args.max_batch_size:
+        raise UserInputError(f"--max-ongoing-requests {args.max_ongoing_requests}: fewer than --max-batch-size "
+                             f"{args.max_batch_size}, so no batch could fill")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -55,19 +105,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.base_name in adapters:
             raise UserInputError(f"--adapter {args.base_name}=...: that name answers without an adapter "
                                  "(--base-name); choose another")
+        check_numbers(args)
+        key = api_key(args)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
+        os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
     import ray
     from ray import serve
 
     from app.launch.driver import joins_a_cluster
+    from app.serve.api import key_digest
     from app.serve.server import ChatCompletions
 
     ray.init(**({} if joins_a_cluster() else {"address": "local", "include_dashboard": False}))
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = ChatCompletions.bind(adapters, args.base, args.base_name, os.path.abspath(args.output_dir)
-                               if "://" not in args.output_dir else args.output_dir, args.max_new_tokens)
+    serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout_s})
+    deployment = ChatCompletions.options(max_ongoing_requests=args.max_ongoing_requests,
+                                         max_queued_requests=args.max_queued_requests)
+    output_dir = args.output_dir if "://" in args.output_dir else os.path.abspath(args.output_dir)
+    app = deployment.bind(adapters, args.base, args.base_name, output_dir, args.max_new_tokens,
+                          key and key_digest(key), args.max_batch_size, args.max_body_bytes)
     serve.run(app, name=args.name, route_prefix="/")
     print(f"serving {', '.join([args.base_name, *adapters])} at http://{args.host}:{args.port}/v1", flush=True)
     if args.detach:

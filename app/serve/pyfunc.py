@@ -4,12 +4,27 @@ Logged as MLflow "model from code" (this file is copied into every logged model)
 of this project: a machine
 that loads `models:/NAME/VERSION` needs mlflow, torch, transformers and peft, and the base model (its
 hub id at the recorded revision, or the recorded local path; `FINETUNE_BASE_MODEL` overrides where it is).
+A local base whose weights' sha256 is not the recorded one is refused: it is not the base the adapter
+was trained on.
 """
 
+import hashlib
 import os
+from pathlib import Path
 
 import mlflow.models
 import mlflow.pyfunc
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over the model's safetensors files (name and bytes, in name order), read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            while block := f.read(8 << 20):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 class AdapterModel(mlflow.pyfunc.PythonModel):
@@ -25,6 +40,10 @@ class AdapterModel(mlflow.pyfunc.PythonModel):
         base = os.environ.get("FINETUNE_BASE_MODEL") or config["base_model"]
         revision = None if os.environ.get("FINETUNE_BASE_MODEL") else config.get("base_model_revision")
         adapter = context.artifacts["adapter"]
+        recorded = config.get("base_model_sha256")
+        if recorded and Path(base).is_dir() and (found := weights_digest(Path(base))) != recorded:
+            raise ValueError(f"base {base}: its weights' sha256 {found[:12]} is not {recorded[:12]}, the base "
+                             "this adapter was trained on")
         self.tokenizer = AutoTokenizer.from_pretrained(adapter)
         model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=torch.float32)
         self.model = PeftModel.from_pretrained(model, adapter).eval()

@@ -8,7 +8,6 @@ run id, the base model and the run's eval figures as tags.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from pathlib import Path
 
@@ -19,18 +18,9 @@ SERVED_MODEL = Path(__file__).parents[1] / "serve" / "pyfunc.py"
 REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
 
 
-def weights_digest(model_dir: Path) -> str:
-    """sha256 over the model's safetensors files (name and bytes, in name order), read in 8 MiB blocks."""
-    digest = hashlib.sha256()
-    for file in sorted(model_dir.glob("*.safetensors")):
-        digest.update(file.name.encode())
-        with open(file, "rb") as f:
-            while block := f.read(8 << 20):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def base_model_record(cfg: FinetuneConfig) -> dict[str, str]:
+    from app.serve.pyfunc import weights_digest  # the served model's own check: one definition
+
     record = {"base_model": cfg.model.path}
     if Path(cfg.model.path).is_dir():
         record["base_model_sha256"] = weights_digest(Path(cfg.model.path))
@@ -42,7 +32,8 @@ def base_model_record(cfg: FinetuneConfig) -> dict[str, str]:
 def _pinned_requirements() -> list[str]:
     from importlib.metadata import version
 
-    return [f"{name}=={version(name)}" for name in REQUIREMENTS]
+    # a local version label (torch's "+cpu") names a build no package index serves: pin the release
+    return [f"{name}=={version(name).split('+')[0]}" for name in REQUIREMENTS]
 
 
 def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str] | None:

@@ -2,9 +2,11 @@
 
 Two adapters on one base: the reference run's, registered in MLflow and served from the registry, and
 a second one with random weights read from its folder. Each answer must be what base + that adapter
-generate greedily in plain PEFT.
+generate greedily in plain PEFT, also when requests for all three models arrive at once; requests need
+the API key; a bad field is refused with 400 through Serve's proxy; `stream: true` streams the answer.
 """
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -13,56 +15,41 @@ import time
 
 import pytest
 import requests
-import torch
-from openai import NotFoundError, OpenAI
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from openai import AuthenticationError, BadRequestError, InternalServerError, NotFoundError, OpenAI
 
 from tests.helpers import free_port
+from tests.unit.serve.reference import QUESTION, plain_greedy, random_adapter
 
 pytestmark = pytest.mark.e2e
-QUESTION = [{"role": "user", "content": "Write 347 in words."}]
+KEY = "integration-key-9876"
 
 
-def _greedy(base_path, adapter, max_new_tokens=12) -> str:
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                        return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.eval().generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-@pytest.fixture
-def served(reference_run, embedded, tmp_path):
+@pytest.fixture(scope="module")
+def served(reference_run, embedded, tmp_path_factory):
     cfg, summary = reference_run
-    torch.manual_seed(3)
-    noisy = get_peft_model(AutoModelForCausalLM.from_pretrained(embedded["model"]),
-                           LoraConfig(r=8, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
-    noisy.save_pretrained(tmp_path / "noisy")
+    noisy = random_adapter(embedded["model"], tmp_path_factory.mktemp("serving") / "noisy", seed=3)
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "jobs.serve", "--adapter", f"demo=models:/reference-adapter/{summary['version']}",
-         "--adapter", f"noisy={tmp_path / 'noisy'}", "--port", str(port), "--max-new-tokens", "12"],
-        env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"]}, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--adapter", f"noisy={noisy}", "--port", str(port), "--max-new-tokens", "12",
+         "--max-ongoing-requests", "8", "--max-queued-requests", "8", "--request-timeout-s", "120"],
+        env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"], "SERVE_API_KEY": KEY},
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
             assert server.poll() is None, server.stdout.read()[-3000:]
             try:
-                if requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).ok:
+                if requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2,
+                                headers={"Authorization": f"Bearer {KEY}"}).ok:
                     break
             except requests.RequestException:  # not listening yet, or the proxy up before the app
                 pass
             time.sleep(2)
         else:
             pytest.fail("the Serve application did not come up in 240 s")
-        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-checked"), summary, tmp_path / "noisy"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        yield client, {"demo": summary["adapter_path"], "noisy": noisy, "base": None}
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
@@ -72,16 +59,69 @@ def served(reference_run, embedded, tmp_path):
 
 
 def test_chat_completions_answer_with_the_adapter_the_request_names(served, embedded):
-    client, summary, noisy = served
+    client, adapters = served
     assert {m.id for m in client.models.list().data} == {"base", "demo", "noisy"}
+    expected = {name: plain_greedy(embedded["model"], adapter) for name, adapter in adapters.items()}
+    assert len(set(expected.values())) == 3  # three different models
     answers = {}
     for model in ("demo", "noisy", "base", "demo"):  # switching back and forth between adapters
         reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12)
         assert reply.model == model and reply.choices[0].message.role == "assistant"
+        assert reply.usage.completion_tokens == 12 or reply.choices[0].finish_reason == "stop"
         answers.setdefault(model, set()).add(reply.choices[0].message.content)
-    assert answers["demo"] == {_greedy(embedded["model"], summary["adapter_path"])}
-    assert answers["noisy"] == {_greedy(embedded["model"], noisy)}
-    assert answers["base"] == {_greedy(embedded["model"], None)}
-    assert len({*answers["demo"], *answers["noisy"], *answers["base"]}) == 3  # three different models
+    assert answers == {name: {text} for name, text in expected.items()}
+    names = ["demo", "noisy", "base"] * 2  # all at once (within --max-ongoing-requests): batched across adapters
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        burst = list(pool.map(lambda name: client.chat.completions.create(
+            model=name, messages=QUESTION, max_tokens=12).choices[0].message.content, names))
+    assert burst == [expected[name] for name in names]
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="missing", messages=QUESTION)
+
+
+def test_keys_refusals_and_streaming_through_serve(served):
+    client, _ = served
+    with pytest.raises(AuthenticationError):
+        client.with_options(api_key="wrong").chat.completions.create(model="demo", messages=QUESTION)
+    with pytest.raises(BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=-1)
+    answer = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
+    assert chunks[-1].usage == answer.usage
+
+
+def test_requests_beyond_the_replica_and_its_queue_get_503(served):
+    client, _ = served
+
+    def ask(_):
+        try:
+            client.chat.completions.create(model="noisy", messages=QUESTION, max_tokens=200)
+            return 200
+        except InternalServerError as e:
+            return e.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        statuses = list(pool.map(ask, range(32)))
+    assert statuses.count(200) >= 8 and set(statuses) <= {200, 503}, statuses  # 8 running (+ 8 queued)
+    assert 503 in statuses
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    """Batches are static: a request waits for the batch that runs. After a long streamed request's client
+    leaves, the next request must not wait for that request's remaining tokens."""
+    client, _ = served
+    port = client.base_url.port
+    url, headers = f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    long = {"model": "noisy", "messages": QUESTION, "max_tokens": 230}
+    started = time.perf_counter()
+    assert requests.post(url, json=long, headers=headers, timeout=120).json()["usage"]["completion_tokens"] == 230
+    whole = time.perf_counter() - started
+    with requests.post(url, json={**long, "stream": True}, headers=headers, timeout=120, stream=True) as stream:
+        next(line for line in stream.iter_lines() if line.startswith(b"data: {"))
+    time.sleep(0.2)  # the proxy sees the closed connection and cancels the request
+    started = time.perf_counter()
+    client.chat.completions.create(model="base", messages=QUESTION, max_tokens=1)
+    waited = time.perf_counter() - started
+    assert waited < whole / 2, f"waited {waited:.2f} s behind the disconnected request (all of it: {whole:.2f} s)"

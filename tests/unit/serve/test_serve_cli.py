@@ -1,0 +1,44 @@
+"""jobs.serve checks its arguments before Ray starts: one line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+
+def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    environment = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"} | (env or {})
+    return subprocess.run([sys.executable, "-m", "jobs.serve", "--adapter", "demo=models:/demo/1", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=environment)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0: serving beyond loopback needs an API key"),
+    (["--host", "10.1.2.3"], "--host 10.1.2.3: serving beyond loopback needs an API key"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
+    (["--max-batch-size", "0"], "--max-batch-size 0: must be positive"),
+    (["--max-ongoing-requests", "4"], "--max-ongoing-requests 4: fewer than --max-batch-size 8"),
+    (["--request-timeout-s", "-1"], "--request-timeout-s -1.0: must be positive"),
+])
+def test_a_bad_argument_is_refused_in_one_line_before_ray_starts(args, says):
+    result = _serve(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().startswith(f"error: {says}") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    from jobs.serve import api_key, parse_args
+
+    outside = ["--adapter", "a=b", "--host", "0.0.0.0"]
+    monkeypatch.setenv("SERVE_API_KEY", "from-env")
+    assert api_key(parse_args(outside)) == "from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    assert api_key(parse_args([*outside, "--api-key-file", str(tmp_path / "key")])) == "from-file"
+    monkeypatch.delenv("SERVE_API_KEY")
+    assert api_key(parse_args(["--adapter", "a=b"])) is None  # loopback: a key is optional

@@ -1,6 +1,6 @@
 # Two commands for a fresh machine:  make demo   (set up, build the embedded model, fine-tune)
 #                                    make test   (set up, run the whole test suite: what CI runs)
-# While developing:                  make test-fast   (the unit tests: no Ray cluster, a few minutes)
+# While developing:                  make test-fast   (the unit tests that start no process: under 3 minutes)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -36,7 +36,7 @@ test: setup
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -4,9 +4,12 @@ step it times runs packed rows through torchrun and reports a finite loss."""
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.gpu_check import TINY_SHAPE, packing_gaps, run_step
+
+pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
 
 
 def test_the_packing_check_passes_isolated_rows_and_sees_a_leak():

@@ -52,6 +52,7 @@ def _reference(model_path, *extra: str):
         return model, model(input_ids=IDS).logits
 
 
+@pytest.mark.slow
 def test_sharded_loading_builds_the_same_model_as_loading_it_whole(embedded, tmp_path):
     reference, expected = _reference(embedded["model"])
     base = {base_param_name(n): p.detach().clone() for n, p in reference.named_parameters() if not p.requires_grad}
@@ -77,6 +78,7 @@ def test_sharded_loading_builds_the_same_model_as_loading_it_whole(embedded, tmp
     assert hsdp["local_bytes"] >= 1.9 * sharded["local_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture, world", [("qwen2", 3), ("gemma2", 2), ("gpt_neox", 2)])
 def test_tied_and_renamed_checkpoints_load_sharded_like_the_full_path(architecture, world, embedded, tmp_path):
     """qwen2 and gemma2 tie lm_head to the embedding (3 ranks: shards of uneven size); GPT-NeoX's
@@ -94,6 +96,7 @@ def test_tied_and_renamed_checkpoints_load_sharded_like_the_full_path(architectu
     assert planned == sum(p.numel() for p in reference.parameters() if not p.requires_grad)  # tied: counted once
 
 
+@pytest.mark.slow
 def test_dora_starts_from_the_row_norms_of_the_whole_base_weight(embedded, tmp_path):
     reference, expected = _reference(embedded["model"], "lora.use_dora=true")
     sharded, whole = _both_paths(tmp_path, embedded["model"], 2, "lora.use_dora=true")

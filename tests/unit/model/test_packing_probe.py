@@ -23,6 +23,8 @@ from app.data.formatting import IGNORE_INDEX
 from app.model.packing_probe import SMALL_SIZES, packing_isolation
 from app.train.loss import summed_token_loss
 
+pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
+
 LENGTHS = (7, 12, 5)
 
 

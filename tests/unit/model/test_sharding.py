@@ -37,6 +37,7 @@ def test_decoder_layers_are_found_from_the_model_not_its_class_name(embedded):
     assert {type(layer).__name__ for layer in layers} == {"LlamaDecoderLayer"}
 
 
+@pytest.mark.slow
 def test_adapter_is_gathered_from_every_shard_and_reloads_with_peft(embedded, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -73,6 +74,7 @@ def _export_after_an_eval_forward(rank: int, world: int, model_path: str, out: s
     torch.save({"shards": shards, "registered": registered, "adapter": state}, f"{out}/export-rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_the_adapter_is_exported_from_the_fp32_shards_after_a_bf16_eval_forward(embedded, tmp_path):
     """bf16 compute without resharding after forward: an eval forward leaves bf16 copies registered as
     the parameters; the exported adapter must still be the fp32 master weights, bit for bit."""
@@ -105,6 +107,7 @@ def _grads_with_and_without_compile(rank: int, world: int, model_path: str, out:
         torch.save(results, f"{out}/compiled.pt")
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager_ones(embedded, tmp_path):
     """model.compile: each decoder layer torch.compile'd before fully_shard gives the same loss and gradients."""
     run_ranks(_grads_with_and_without_compile, 2, str(embedded["model"]), str(tmp_path))
@@ -146,6 +149,7 @@ def _checkpointing_under_compile(rank: int, world: int, model_path: str, out: st
     torch.save(saved, f"{out}/checkpointing.pt")
 
 
+@pytest.mark.slow
 def test_compiled_layers_keep_activation_checkpointing(embedded, tmp_path):
     """model.compile with gradient_checkpointing: transformers checkpoints only the outermost forward of a
     layer's class, so what is compiled must be that one. Compiled layers then save about the activations

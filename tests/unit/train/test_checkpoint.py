@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from app.config.schema import load_config
@@ -46,6 +47,7 @@ def _save_draw_restore_draw(rank: int, world: int, model_path: str, out: str) ->
     torch.save({"expected": expected, "restored": _draws(device_rng)}, f"{out}/draws-{rank}.pt")
 
 
+@pytest.mark.slow
 def test_a_restored_rank_continues_its_cpu_and_device_random_streams(embedded, tmp_path):
     run_ranks(_save_draw_restore_draw, 2, str(embedded["model"]), str(tmp_path))
     draws = [torch.load(tmp_path / f"draws-{rank}.pt") for rank in range(2)]

@@ -1,6 +1,7 @@
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -60,6 +61,7 @@ def _table_on_ranks(rank: int, world: int, model_path: str, out: str) -> None:
     torch.save(table, f"{out}/table-{world}-{rank}.pt")
 
 
+@pytest.mark.slow
 def test_generation_table_is_the_same_on_every_rank_and_for_any_rank_count(embedded, tmp_path):
     """Three prompts dealt to two ranks (one decodes two, the other one, in lockstep) give the table one
     rank gives, on both ranks."""
@@ -125,6 +127,7 @@ def _oracle_scores(rank: int, world: int, tokenizer_dir: str, template: str | No
                f"{out}/oracle-{rank}.pt")
 
 
+@pytest.mark.slow
 def test_a_perfect_answer_to_each_turn_of_a_conversation_scores_one(embedded, tmp_path):
     """Three assistant turns: three prompts, each the conversation up to its turn, each scored against that
     turn's answer alone."""
@@ -139,6 +142,7 @@ GEMMA_STYLE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'
                "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}")
 
 
+@pytest.mark.slow
 def test_decoding_stops_at_the_models_own_end_of_turn_token(embedded, tmp_path):
     """Gemma ends a turn with <end_of_turn>, which its generation config lists as an eos token beside the
     tokenizer's: an answer stops there, and scores, instead of running on to max_new_tokens."""
@@ -148,6 +152,7 @@ def test_decoding_stops_at_the_models_own_end_of_turn_token(embedded, tmp_path):
     assert result["exact_match"] == {"eval_exact_match": 1.0}
 
 
+@pytest.mark.slow
 def test_a_reference_longer_than_max_new_tokens_is_warned_of_once_on_rank_zero(embedded, tmp_path):
     """Two evaluations of three answers of 1, 1 and 3 tokens, decoding 2 new tokens: one warning."""
     run_ranks(_oracle_scores, 2, str(embedded["model"]), None, 3, 2, str(tmp_path))

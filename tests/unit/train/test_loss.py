@@ -118,6 +118,7 @@ def _sharded_grads(rank: int, world: int, model_path: str, out: str) -> None:
         torch.save(results, Path(out) / "grads.pt")
 
 
+@pytest.mark.slow
 def test_under_fsdp2_the_chunked_loss_gives_the_same_reduced_gradients(embedded, tmp_path):
     run_ranks(_sharded_grads, 2, str(embedded["model"]), str(tmp_path))
     results = torch.load(tmp_path / "grads.pt")

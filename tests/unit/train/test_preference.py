@@ -166,6 +166,7 @@ def _sharded_step(rank: int, world: int, out: str, reshard: bool) -> None:
         torch.save(full, Path(out) / "grads.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
 def test_one_and_two_fsdp_workers_take_the_same_step(tmp_path, reshard):
     """Two gloo ranks, two pairs each, under FSDP2 (which averages gradients over ranks) give the one-worker

@@ -20,6 +20,8 @@ from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe
 from tests.helpers import make_config, run_ranks
 
+pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
+
 STEPS = ["train.max_steps=8", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=4",
          "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4", "train.sample_prompts=1",
          "train.sample_max_new_tokens=4", "train.learning_rate=3e-3"]

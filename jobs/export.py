@@ -26,6 +26,7 @@ from pathlib import Path
 from app.config.paths import why_unwritable
 from app.config.schema import load_config
 from app.errors import UserInputError, exit_code, first_line
+from app.runs.layout import ADAPTER_COMPLETE, ADAPTER_RUN_CONFIG
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +66,7 @@ def base_model_dir(adapter: Path, base: str | None) -> Path:
         return Path(base)
     import yaml
 
-    model = yaml.safe_load((adapter / "finetune_config.yaml").read_text())["model"]
+    model = yaml.safe_load((adapter / ADAPTER_RUN_CONFIG).read_text())["model"]
     if Path(model["path"]).is_dir():
         problem = base_model_problem(Path(model["path"]))
         if problem:
@@ -112,7 +113,7 @@ def export(args: argparse.Namespace) -> dict:
 
 def write_export(args: argparse.Namespace, adapter: Path, base: Path | None, out: Path) -> dict:
     if base is None:
-        shutil.copytree(adapter, out, ignore=shutil.ignore_patterns("COMPLETE"))
+        shutil.copytree(adapter, out, ignore=shutil.ignore_patterns(ADAPTER_COMPLETE))
         return {"kind": "adapter"}
     import torch
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from app.model.sharding import reshard
+from app.runs.layout import ADAPTER_RUN_CONFIG
 
 TRAINER_STATE = "trainer_state.json"
 BEST_ADAPTER = "best_adapter.safetensors"  # train.export=best: the LoRA weights of the best evaluation
@@ -113,10 +114,10 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path, tokenizer,
                  run_config_yaml: str = "") -> Path:
     """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is, with the
-    tokenizer files and the config of the run that trained it (`finetune_config.yaml`)."""
+    tokenizer files and the config of the run that trained it (ADAPTER_RUN_CONFIG)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     if run_config_yaml:
-        (out_dir / "finetune_config.yaml").write_text(run_config_yaml)
+        (out_dir / ADAPTER_RUN_CONFIG).write_text(run_config_yaml)
     return out_dir

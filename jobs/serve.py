@@ -22,6 +22,7 @@ import ipaddress
 import os
 import sys
 import time
+from pathlib import Path
 
 from app.config.paths import export_credentials
 from app.errors import UserInputError
@@ -66,9 +67,11 @@ def api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file or $SERVE_API_KEY; none is refused where the host is not loopback."""
     if args.api_key_file:
         try:
-            key = open(args.api_key_file).read().strip()
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
         except OSError as e:
             raise UserInputError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UserInputError(f"--api-key-file {args.api_key_file}: not UTF-8 text") from None
         if not key:
             raise UserInputError(f"--api-key-file {args.api_key_file}: the file is empty")
         return key

@@ -178,8 +178,8 @@ class Sweep:
 
 
 def plan_sweep(config: str, overrides: list[str], axes: list[str], name: str | None, env: dict) -> Sweep:
+    refuse_secrets(axes, flag="--grid")  # first: a malformed axis is echoed in parse_grid's error
     grid = parse_grid(axes)
-    refuse_secrets(axes, flag="--grid")
     name = name or f"sweep-{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     points = [(point_name(name, i, point), [*overrides, *point_overrides(point), f"mlflow.sweep={name}"])
               for i, point in enumerate(grid_points(grid))]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from app.errors import first_line
+
 # Records isolated: a packed record's loss within this relative gap of its loss alone (fp32 rounding is ~1e-7).
 ISOLATED_GAP = 1e-5
 RECORD_LENGTHS = (6, 9, 5)
@@ -133,13 +135,20 @@ def packing_problem(config, attn_implementation: str | None = None, trust_remote
     return None
 
 
+_feed_of_loaded: dict[int, tuple] = {}  # id(config) -> (config, feed): decided once per loaded model
+
+
 def packed_row_inputs(config, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
-    """The extra inputs of a packed micro-batch for the loaded model of `config` (probed on first use)."""
-    kernel = getattr(config, "_attn_implementation", None)
-    problem = packing_problem(config, kernel, trust_remote_code=bool(getattr(config, "auto_map", None)))
-    if problem:  # the driver refuses such a model before any worker starts
-        raise RuntimeError(problem)
-    return feed_inputs(packing_isolation(config, kernel).feed, config, position_ids, dtype)
+    """The extra inputs of a packed micro-batch for the loaded model of `config` (probed on its first
+    packed micro-batch; later ones look the answer up, with no work on the step's path)."""
+    entry = _feed_of_loaded.get(id(config))
+    if entry is None or entry[0] is not config:
+        kernel = getattr(config, "_attn_implementation", None)
+        problem = packing_problem(config, kernel, trust_remote_code=bool(getattr(config, "auto_map", None)))
+        if problem:  # the driver refuses such a model before any worker starts
+            raise RuntimeError(problem)
+        entry = _feed_of_loaded[id(config)] = (config, packing_isolation(config, kernel).feed)
+    return feed_inputs(entry[1], config, position_ids, dtype)
 
 
 def _probe(config, kernel: str | None, trust_remote_code: bool) -> PackingIsolation:
@@ -153,7 +162,7 @@ def _probe(config, kernel: str | None, trust_remote_code: bool) -> PackingIsolat
             try:
                 model = _tiny_model(config, kernel, trust_remote_code)
             except Exception as e:
-                return PackingIsolation(None, float("inf"), f"a 2-layer copy does not build: {_first_line(e)}")
+                return PackingIsolation(None, float("inf"), f"a 2-layer copy does not build: {_failure(e)}")
             with torch.no_grad():
                 return _isolation(model)
     finally:
@@ -183,7 +192,7 @@ def _isolation(model) -> PackingIsolation:
     try:
         alone = [_token_losses(model, r[None], {})[0].sum() for r in records]
     except Exception as e:
-        return PackingIsolation(None, float("inf"), f"a record alone fails: {_first_line(e)}")
+        return PackingIsolation(None, float("inf"), f"a record alone fails: {_failure(e)}")
     row = torch.cat(records)[None]
     positions = torch.cat([torch.arange(n) for n in RECORD_LENGTHS])[None]
     gaps, problem = {}, None
@@ -192,7 +201,7 @@ def _isolation(model) -> PackingIsolation:
             losses = _token_losses(model, row, {"position_ids": positions}
                                    | feed_inputs(feed, model.config, positions, torch.float32))[0]
         except Exception as e:
-            gaps[feed], problem = float("inf"), problem or f"packed rows fail: {_first_line(e)}"
+            gaps[feed], problem = float("inf"), problem or f"packed rows fail: {_failure(e)}"
             continue
         starts = torch.tensor((0, *RECORD_LENGTHS)).cumsum(0).tolist()
         packed = [losses[s:s + n - 1].sum() for s, n in zip(starts, RECORD_LENGTHS)]
@@ -208,6 +217,5 @@ def _token_losses(model, input_ids: torch.Tensor, extra: dict) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+def _failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {first_line(e)[:160]}"

@@ -42,6 +42,11 @@ class Job:
     text: str = ""  # what has been sent
     finish: str | None = None
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: it runs alone, so that seed alone decides its tokens."""
+        return self.seed is not None and self.sampling[0] != "greedy"
+
     def __post_init__(self):
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -116,6 +121,8 @@ class Engine:
                 waiting.append(self.incoming.get_nowait())
             batch: list[Job] = []
             for job in waiting:  # alike, at most max_batch_size, and padded rows still within the context
+                if batch and (waiting[0].seeded or job.seeded):
+                    continue  # a seeded sampled job runs alone: its seed decides its batch's draws
                 if job.sampling == waiting[0].sampling and len(batch) < self.max_batch_size and (
                         not batch or self._fits([*batch, job])):
                     batch.append(job)

@@ -95,8 +95,8 @@ def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "o
                              f"{bases[name]}): serve them separately")
     path = base or bases[first].path
     revision = bases[first].revision if _where(path) == _where(bases[first].path) else None
-    for name, recorded in bases.items():
-        check_base(path, recorded, f"adapter {name}")
+    for name in {recorded.sha256: name for name, recorded in bases.items() if recorded.sha256}.values():
+        check_base(path, bases[name], f"adapter {name}")  # the base's bytes hashed once per recorded digest
     # the run saved its tokenizer with the adapter; a bare PEFT folder has none: the base's then
     tokenizer = AutoTokenizer.from_pretrained(next(
         (f for f in folders.values() if (f / "tokenizer_config.json").exists()), path), revision=revision)

@@ -116,7 +116,7 @@ class ChatRequest(_Strict):
     @property
     def sampling(self) -> tuple:
         """What must be equal for two requests to share one generate call: greedy, or the sampling
-        settings (a seeded request samples alone, so its seed alone decides its tokens)."""
+        settings (a seeded one samples alone: the engine's rule, Job.seeded)."""
         if self.temperature == 0:
             return ("greedy",)
-        return ("sample", self.temperature, self.top_p, None if self.seed is None else id(self))
+        return ("sample", self.temperature, self.top_p)

@@ -109,7 +109,7 @@ def _grads_with_and_without_compile(rank: int, world: int, model_path: str, out:
 
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager_ones(embedded, tmp_path):
-    """model.compile: each decoder layer torch.compile'd before fully_shard gives the same loss and gradients."""
+    """model.compile: each decoder layer torch.compile'd after fully_shard gives the same loss and gradients."""
     run_ranks(_grads_with_and_without_compile, 2, str(embedded["model"]), str(tmp_path))
     results = torch.load(tmp_path / "compiled.pt")
     (eager_loss, eager), (compiled_loss, compiled) = results[False], results[True]

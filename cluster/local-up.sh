@@ -36,6 +36,9 @@ export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-http://127.0.0.1:$MLFLOW_PORT}
 export PATH="$BIN:$PATH"
 # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds: time to end the MLflow run as KILLED.
 export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30}
+# Ray Train asks the state API (this dashboard) whether a run's controller lives; named here, it never has
+# to guess among several Ray clusters on one machine (it prints a traceback every few seconds when it does).
+export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
 "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" --temp-dir="$RAY_TMP" \
   --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
   --dashboard-agent-listen-port="$AGENT_PORT" --ray-client-server-port="$CLIENT_PORT" \

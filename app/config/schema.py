@@ -17,7 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from app.config import paths
-from app.config.dpo import DpoSection
+from app.config.dpo import DpoSection, objective_data_problem
 from app.config.section import Section as _Section
 from app.errors import UserInputError
 from app.runs.layout import OutputDir, RunDir
@@ -91,8 +91,9 @@ class DataSection(_Section):
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of the train set held out when "
                                  "there is no data.eval_path")
     max_eval_rows: int = Field(512, gt=0, description="cap on the eval rows scored at each evaluation")
-    format: Literal["auto", "chat", "sharegpt", "instruction", "prompt_completion", "text"] = Field(
-        "auto", description="record format (see the README); auto detects it per record")
+    format: Literal["auto", "chat", "sharegpt", "instruction", "prompt_completion", "text", "preference"] = Field(
+        "auto", description="record format (see the README); auto detects it per record; preference: pairs for "
+        "train.objective=dpo (what auto means there)")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
                                       "of the tokenizer's own (for base models that have none)")
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
@@ -100,7 +101,7 @@ class DataSection(_Section):
                              "long (or, without packing, one per row, right-padded)")
     packing: bool = Field(True, description="pack several records into each training row (first-fit; attention "
                           "and position ids restart at every record, so each record trains as if alone); false: one "
-                          "record per row. Eval rows are never packed")
+                          "record per row. Eval rows and preference pairs (train.objective=dpo) are never packed")
     packing_open_rows: int = Field(64, gt=0, description="rows the packer keeps open to fit records into before it "
                                    "closes the fullest one (more: fuller rows, a slower pack)")
     long_records: Literal["truncate", "split"] = Field(
@@ -145,7 +146,8 @@ class TrainSection(_Section):
     run_name: str | None = Field(None, description="the run directory, MLflow run and job name; defaults to "
                                  "the config file's name and the start time")
     best_metric: str = Field("eval_loss", description="the evaluation figure that ranks checkpoints: eval_loss, "
-                             "eval_perplexity (lower is better) or a task metric eval_<name> (higher is better)")
+                             "eval_perplexity (lower is better), a task metric eval_<name>, or with "
+                             "train.objective=dpo eval_rewards/accuracies or eval_rewards/margins (higher is better)")
     early_stopping_patience: int | None = Field(None, gt=0, description="stop after this many evaluations in a "
                                                 "row without a better train.best_metric; None: train max_steps")
     export: Literal["last", "best"] = Field("last", description="which weights become the run's adapter: the "
@@ -242,7 +244,8 @@ class FinetuneConfig(_Section):
         if self.fsdp.param_dtype == "float16":
             raise ValueError("fsdp.param_dtype=float16 needs loss scaling, which this job does not do (small "
                              "gradients underflow to zero): use bfloat16, float32 or auto")
-        ranked = {"eval_loss", "eval_perplexity"} | (
+        ranked = ({"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"} if self.train.objective == "dpo"
+                  else {"eval_loss", "eval_perplexity"}) | (
             {metric_name(spec) for spec in self.eval.metrics} if self.eval.generation_rows else set())
         if self.train.best_metric not in ranked:
             raise ValueError(f"train.best_metric={self.train.best_metric} is not an evaluation figure of this "
@@ -252,9 +255,8 @@ class FinetuneConfig(_Section):
         if weights is not None and (len(weights) != len(self.data.train_paths) or min(weights) <= 0):
             raise ValueError(f"data.mixture_weights={weights} must give one positive weight for each of the "
                              f"{len(self.data.train_paths)} sources in data.train_path")
-        if self.train.objective == "dpo":  # app/train/preference.py has the loss; the recipe does not call it yet
-            raise ValueError("train.objective=dpo: the DPO training loop is not wired into the recipe yet; use "
-                             "train.objective=sft")
+        if problem := objective_data_problem(self.train.objective, self.data):
+            raise ValueError(problem)
         mesh = self.scaling.mesh
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
@@ -376,13 +378,16 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     """Paths made absolute where they will be read (app/config/paths.py), defaults filled in, credentials left out."""
     out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
+    pairs = cfg.train.objective == "dpo"  # preference records, one pair per row
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path)}),
         "data": cfg.data.model_copy(update={
             "train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
                            else [paths.input_path(p) for p in cfg.data.train_path]),
             "eval_path": paths.input_path(cfg.data.eval_path),
-            "chat_template": _template_text(cfg.data.chat_template)}),
+            "chat_template": _template_text(cfg.data.chat_template),
+            "format": "preference" if pairs else cfg.data.format,
+            "packing": cfg.data.packing and not pairs}),
         "train": cfg.train.model_copy(update={"output_dir": out_dir,
                                               "run_name": cfg.train.run_name or default_run_name}),
         "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),

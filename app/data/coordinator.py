@@ -116,7 +116,8 @@ class PassCoordinator:
         (the driver asks before any worker starts)."""
         [ref] = self.shard(0, 0)
         rows = ray.get(ref)
-        fill = pc.sum(rows.column("length")).as_py() / max(rows.num_rows * self.data.max_seq_len, 1)
+        sides = 2 if "chosen_input_ids" in rows.column_names else 1  # a preference pair's row holds two sequences
+        fill = pc.sum(rows.column("length")).as_py() / max(rows.num_rows * sides * self.data.max_seq_len, 1)
         return {"data_rows_per_worker_per_pass": rows.num_rows, "data_row_fill": fill}
 
 

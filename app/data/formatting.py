@@ -9,6 +9,8 @@ Supported record formats (one per record; `data.format=auto` detects it):
   instruction        {"instruction": str, "input": str (optional), "output": str}   (Alpaca)
   prompt_completion  {"prompt": str, "completion": str}
   text               {"text": str}   (continued pretraining: every token carries loss)
+  preference         pairs for train.objective=dpo: {"prompt", "chosen", "rejected"} as strings or messages,
+                     or two whole conversations {"chosen", "rejected"} (app/data/preference.py)
 In the conversational formats only assistant / gpt / output / completion tokens are trained on;
 everything else gets label -100.
 """
@@ -25,12 +27,17 @@ from app.errors import UserInputError
 IGNORE_INDEX = -100
 FORMAT_FIELDS = {"chat": ("messages",), "sharegpt": ("conversations",), "instruction": ("instruction", "output"),
                  "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+PREFERENCE = "preference"  # data.format of preference pairs: never auto-detected, train.objective=dpo sets it
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 PLAIN_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def detect_format(record: Any, wanted: str = "auto") -> str:
     """The record's format, or ValueError saying which fields are missing."""
+    if wanted == PREFERENCE:
+        from app.data.preference import detect_preference_format
+
+        return detect_preference_format(record)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     candidates = FORMAT_FIELDS if wanted == "auto" else {wanted: FORMAT_FIELDS[wanted]}
@@ -145,8 +152,13 @@ def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int,
     cut into rows of max_seq_len (each piece then starts without the context before it).
 
     Right padding needs no attention mask: under the causal mask a real token never attends to a
-    later pad, and pads carry no loss.
+    later pad, and pads carry no loss. Preference pairs (fmt=preference) give their own columns
+    (app/data/preference.py's tokenize_pairs).
     """
+    if fmt == PREFERENCE:
+        from app.data.preference import tokenize_pairs
+
+        return tokenize_pairs(records, tokenizer, max_seq_len)
     pieces: list[tuple[list[int], list[int]] | None] = []
     for record in records:
         try:

@@ -73,6 +73,7 @@ class TrainData:
     dropped_rows: int  # rows whose every target token truncation cut off
     pad_id: int  # the tokenizer's padding token
     malformed_rows: int = 0  # records without the fields their format needs (remote data past the checked sample)
+    truncated_tokens: int = 0  # preference pairs: prompt and answer tokens cut to fit data.max_seq_len
 
 
 def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, source: int) -> ray.data.Dataset:
@@ -114,7 +115,7 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
     `records_hint`: each source's record count as the driver's check found it (-1: unknown, remote).
     """
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # row i is the same row in every job
-    token_rows, held_out, dropped, malformed = [], [], 0, 0
+    token_rows, held_out, dropped, malformed, truncated = [], [], 0, 0, 0
     for i, (source, records_count) in enumerate(zip(sources, records_hint)):
         records = read_records(source, data)
         if eval_fraction is not None:
@@ -126,6 +127,9 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
         else:
             rows = tokenized(records, model, data, i).materialize()
         trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets"]).materialize()
+        if "truncated" in trainable.columns():
+            truncated += trainable.sum("truncated") or 0
+            trainable = trainable.drop_columns(["truncated", "prompt_length"]).materialize()
         bad = rows.filter(expr=col("targets") < 0).count()
         malformed += bad
         dropped += rows.count() - trainable.count() - bad
@@ -140,7 +144,7 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
         raise UserInputError(f"data.train_path: {sum(plan.rows_per_pass())} training records for "
                              f"scaling.num_workers={world_size}; every worker needs at least one")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TrainData(token_rows, plan, dropped, pad_id, malformed), held_out
+    return TrainData(token_rows, plan, dropped, pad_id, malformed, int(truncated)), held_out
 
 
 def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[ray.data.Dataset, int]:
@@ -150,4 +154,5 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len, data.long_records)
     keep = rows["targets"] > 0
-    return rows_dataset({"input_ids": rows["input_ids"][keep], "labels": rows["labels"][keep]}), int((~keep).sum())
+    model_inputs = {k: v[keep] for k, v in rows.items() if k.endswith(("input_ids", "labels"))}  # pairs: both sides
+    return rows_dataset(model_inputs), int((~keep).sum())

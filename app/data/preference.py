@@ -122,13 +122,14 @@ def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], max
 def tokenize_pairs(records: list[dict], tokenizer, max_seq_len: int) -> dict[str, np.ndarray]:
     """Records -> fixed-length rows: `chosen_input_ids`/`rejected_input_ids` (prompt + answer, padded with
     the pad id), `chosen_labels`/`rejected_labels` (the answer's tokens; -100 on the prompt and padding),
-    `prompt_length`, `truncated` (tokens truncation dropped from the pair) and `targets`: the fewer target
-    tokens of the two sides (-1 for a record without the fields its format needs)."""
+    `prompt_length`, `length` (the real tokens of both sides: what a step computes), `truncated` (tokens
+    truncation dropped from the pair) and `targets`: the fewer target tokens of the two sides (-1 for a
+    record without the fields its format needs)."""
     n = len(records)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = {f"{side}_{column}": np.full((n, max_seq_len), fill, dtype=np.int64)
             for side in ("chosen", "rejected") for column, fill in (("input_ids", pad_id), ("labels", IGNORE_INDEX))}
-    rows |= {column: np.zeros(n, dtype=np.int64) for column in ("prompt_length", "truncated", "targets")}
+    rows |= {column: np.zeros(n, dtype=np.int64) for column in ("prompt_length", "length", "truncated", "targets")}
     for i, record in enumerate(records):
         try:
             prompt, *answers, dropped = truncate_pair(*tokenize_pair(tokenizer, record,
@@ -138,6 +139,7 @@ def tokenize_pairs(records: list[dict], tokenizer, max_seq_len: int) -> dict[str
             continue
         rows["prompt_length"][i], rows["truncated"][i] = len(prompt), dropped
         rows["targets"][i] = min(len(answer) for answer in answers)
+        rows["length"][i] = 2 * len(prompt) + sum(len(answer) for answer in answers)
         for side, answer in zip(("chosen", "rejected"), answers):
             length = len(prompt) + len(answer)
             rows[f"{side}_input_ids"][i, :length] = prompt + answer

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.data.formatting import FORMAT_FIELDS, detect_format
+from app.data.formatting import FORMAT_FIELDS, PREFERENCE, detect_format
 from app.errors import UserInputError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -174,7 +174,8 @@ def _utf8(raw: bytes, where: str) -> str:
 
 
 def _check_columns(columns: list[str], fmt: str, where: str) -> None:
-    formats = FORMAT_FIELDS if fmt == "auto" else {fmt: FORMAT_FIELDS[fmt]}
+    formats = (FORMAT_FIELDS if fmt == "auto" else {fmt: ("chosen", "rejected")} if fmt == PREFERENCE
+               else {fmt: FORMAT_FIELDS[fmt]})
     if not any(set(fields) <= set(columns) for fields in formats.values()):
         expected = " or ".join("+".join(f) for f in formats.values())
         raise UserInputError(f"{where}: columns {columns} lack the fields {expected}; see data.format")

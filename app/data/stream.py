@@ -41,7 +41,7 @@ class ShardStream:
         while True:
             read = 0
             for batch in self.one_pass(self.epoch):
-                rows = len(batch["input_ids"])
+                rows = len(next(iter(batch.values())))  # every column has a value per row
                 start, read = read, read + rows
                 if read <= self._first_row:  # trained on every rank
                     continue
@@ -58,17 +58,19 @@ class ShardStream:
             self.epoch, self.rows_into_epoch, self._skip, self._first_row = self.epoch + 1, 0, 0, 0
 
 
+MODEL_INPUTS = ("input_ids", "labels", "position_ids")  # preference pairs: chosen_input_ids, rejected_labels, ...
+
+
 def without_targets(batch: dict) -> dict:
     """The batch's last row with nothing to learn or count: every label ignored, its real tokens and
     records per source zero."""
     row = {k: torch.as_tensor(v[-1:]) for k, v in batch.items()}
-    return {k: v if k in ("input_ids", "position_ids") else
-            torch.full_like(v, IGNORE_INDEX) if k == "labels" else torch.zeros_like(v) for k, v in row.items()}
+    return {k: v if k.endswith(("input_ids", "position_ids")) else
+            torch.full_like(v, IGNORE_INDEX) if k.endswith("labels") else torch.zeros_like(v) for k, v in row.items()}
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """The model's inputs on `device`; the bookkeeping columns (each row's real tokens and records per
     source) stay on the host."""
-    model_inputs = {"input_ids", "labels", "position_ids"}
-    return {k: torch.as_tensor(v).to(device, non_blocking=True) if k in model_inputs else torch.as_tensor(v)
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) if k.endswith(MODEL_INPUTS) else torch.as_tensor(v)
             for k, v in batch.items()}

@@ -52,13 +52,28 @@ def init_ray(verbose: bool = False) -> None:
     if joins_a_cluster():
         ray.init(logging_level=level)
     else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level)
+        port = pin_state_api_address()
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level, dashboard_port=port)
     if not verbose:
         console.filter_worker_output()
     if threading.current_thread() is threading.main_thread():
         # Connecting put Ray core's C++ failure handler in front of ray.init's SIGTERM handler: it prints a
         # stack dump into the job log when `ray job stop` sends SIGTERM. Its Python handler alone stays.
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+
+
+def pin_state_api_address() -> int:
+    """A free port for the local cluster's dashboard, named in RAY_API_SERVER_ADDRESS before Ray starts so
+    that every Ray process inherits it. Ray Train's PlacementGroupCleaner asks the state API whether the
+    controller lives; with no address given it looks for a cluster, and where several run on the machine
+    (two jobs, a `cluster/local-up.sh` stack) it prints a traceback every few seconds instead."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
 
 
 def check_placement(cfg: FinetuneConfig) -> None:
@@ -109,6 +124,8 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
               "they are left out", file=sys.stderr, flush=True)
     stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped,
              "data_train_records_malformed": train.malformed_rows}
+    if cfg.train.objective == "dpo":
+        stats["data_train_pair_tokens_truncated"] = train.truncated_tokens
     stats |= {f"data_pass_rows/{name}": rows for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
     return train, eval_rows, stats
 

@@ -52,16 +52,21 @@ def _record(n: int, rng: random.Random) -> dict:
                          {"role": "assistant", "content": number_in_words(n)}]}
 
 
+def _numbers(seed: int, eval_numbers: int) -> tuple[list[int], list[list[int]], random.Random]:
+    """(held-out numbers, the others by digit count, the generator that drew them)."""
+    rng = random.Random(seed)
+    numbers = list(range(1000))
+    rng.shuffle(numbers)
+    held_out, seen = numbers[:eval_numbers], numbers[eval_numbers:]
+    return held_out, [[n for n in seen if len(str(n)) == d] for d in (1, 2, 3)], rng
+
+
 def write_dataset(out_dir: Path, train_rows: int = 4000, eval_numbers: int = 100, seed: int = 0) -> None:
     """train.jsonl and eval.jsonl in chat format; the eval numbers never occur in training.
 
     Training numbers have 1, 2 or 3 digits with equal odds, so short numbers are not drowned out.
     """
-    rng = random.Random(seed)
-    numbers = list(range(1000))
-    rng.shuffle(numbers)
-    held_out, seen = numbers[:eval_numbers], numbers[eval_numbers:]
-    by_digits = [[n for n in seen if len(str(n)) == d] for d in (1, 2, 3)]
+    held_out, by_digits, rng = _numbers(seed, eval_numbers)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "train.jsonl", "w") as f:
         for _ in range(train_rows):
@@ -69,6 +74,35 @@ def write_dataset(out_dir: Path, train_rows: int = 4000, eval_numbers: int = 100
     with open(out_dir / "eval.jsonl", "w") as f:
         for n in sorted(held_out):
             f.write(json.dumps(_record(n, rng)) + "\n")
+
+
+PREFERENCE_FILES = ("preference_train.jsonl", "preference_eval.jsonl")
+
+
+def _near_miss(n: int, rng: random.Random) -> int:
+    """A number whose spelling is close to n's but wrong: one off in a digit that n has."""
+    steps = [s for s in (1, 10, 100) if s <= max(n, 1)] or [1]
+    return min(max(n + rng.choice(steps) * rng.choice((-1, 1)), 0), 999) if n else 1
+
+
+def _pair(n: int, rng: random.Random) -> dict:
+    wrong = _near_miss(n, rng)
+    wrong = wrong if wrong != n else (n + 1) % 1000
+    return {"prompt": rng.choice(_PROMPTS).format(n=n), "chosen": number_in_words(n),
+            "rejected": number_in_words(wrong)}
+
+
+def write_preference_dataset(out_dir: Path, train_pairs: int = 2000, eval_numbers: int = 100, seed: int = 0) -> None:
+    """preference_{train,eval}.jsonl: prompt, the right spelling (chosen) and a near miss's (rejected); the
+    eval numbers are those of eval.jsonl, never in training. Written in place with a rename."""
+    held_out, by_digits, _ = _numbers(seed, eval_numbers)
+    rng = random.Random(seed + 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, numbers in zip(PREFERENCE_FILES, ([rng.choice(rng.choice(by_digits)) for _ in range(train_pairs)],
+                                                 sorted(held_out))):
+        partial = out_dir / f"{name}.partial-{os.getpid()}"
+        partial.write_text("".join(json.dumps(_pair(n, rng)) + "\n" for n in numbers))
+        os.rename(partial, out_dir / name)
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -124,11 +158,13 @@ def pretrain(model, tokenizer, steps: int = 250, batch_size: int = 64, lr: float
 
 
 def build_embedded(root: Path, seed: int = 0) -> dict[str, str]:
-    """Write `root/model` (bf16 weights + tokenizer, Hugging Face format) and `root/data/{train,eval}.jsonl`."""
+    """Write `root/model` (bf16 weights + tokenizer, Hugging Face format), `root/data/{train,eval}.jsonl` and
+    the preference pairs `root/data/preference_{train,eval}.jsonl`."""
     import torch
 
     data_dir, model_dir = root / "data", root / "model"
     write_dataset(data_dir, seed=seed)
+    write_preference_dataset(data_dir, seed=seed)
     records = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
     corpus = ["user", "assistant"] + pretraining_text() + [m["content"] for r in records for m in r["messages"]]
     tokenizer = build_tokenizer(corpus)
@@ -163,12 +199,18 @@ def ensure_embedded(cfg) -> None:
 def build_once(root: Path) -> None:
     """`build_embedded(root)` unless it is built: a lock makes two processes starting at once (two jobs,
     two test workers) build it one time, and the build lands in place with a rename, never half-written."""
-    if (root / "model" / "config.json").exists():
+    def built() -> bool:
+        return (root / "model" / "config.json").exists() and all((root / "data" / f).exists() for f in PREFERENCE_FILES)
+
+    if built():
         return
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / "embedded.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (root / "model" / "config.json").exists():  # built by another process while this one waited
+        if built():  # built by another process while this one waited
+            return
+        if (root / "model" / "config.json").exists():  # built before the preference pairs were part of it
+            write_preference_dataset(root / "data")
             return
         print(f"building the embedded demo model and data in {root} (once; about a minute)",
               file=sys.stderr, flush=True)

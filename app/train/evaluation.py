@@ -15,9 +15,17 @@ from app.train.loss import summed_token_loss, target_token_count
 from app.train.ranks import RankContext
 
 
-@torch.no_grad()
 def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext, chunk_tokens: int = 0) -> float:
-    """Mean loss per target token over the whole eval set.
+    """Mean loss per target token over the whole eval set."""
+    totals = dealt_eval_sums(model, eval_pass, ctx, lambda batch: torch.stack([
+        summed_token_loss(model, batch, chunk_tokens).double(), target_token_count(batch["labels"]).double()]))
+    return (totals[0] / totals[1]).item()
+
+
+@torch.no_grad()
+def dealt_eval_sums(model, eval_pass: Callable[[], Iterable], ctx: RankContext,
+                    score: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+    """`score(batch)` (a vector of sums) added up over the whole eval set, the same on every rank.
 
     Every rank reads all eval batches and scores batches rank, rank + world, ...; ranks with fewer
     batches run an extra forward with no weight, since FSDP needs every rank in every forward.
@@ -25,22 +33,27 @@ def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext, ch
     was_training = model.training
     model.eval()
     batches = [to_device(cut_after_last_target(b), ctx.device) for b in eval_pass()]
+    if not batches:
+        raise RuntimeError("the eval set is empty: every eval record lacked a target token")
     mine = batches[ctx.rank::ctx.world_size]
-    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    totals = None
     for i in range(math.ceil(len(batches) / ctx.world_size)):
-        batch = mine[i] if i < len(mine) else batches[0]
-        token_loss = summed_token_loss(model, batch, chunk_tokens)
+        sums = score(mine[i] if i < len(mine) else batches[0])
         if i < len(mine):
-            totals += torch.stack([token_loss.double(), target_token_count(batch["labels"]).double()])
+            totals = sums if totals is None else totals + sums
+    if totals is None:  # this rank had no batch of its own; the stand-in forward gave the shape
+        totals = torch.zeros_like(sums)
     dist.all_reduce(totals)
     model.train(was_training)
-    return (totals[0] / totals[1]).item()
+    return totals
 
 
 def cut_after_last_target(batch: dict) -> dict:
     """The batch's rows without the columns after its last target token: only padding or untrained tail
     there, and under the causal mask no position before attends to them, so the loss is the same for a
     fraction of the compute (eval rows are padded to data.max_seq_len; most records are far shorter)."""
+    if "labels" not in batch:  # preference pairs: app/train/preference.py cuts both sides together
+        return batch
     labels = torch.as_tensor(batch["labels"])
     targets = (labels != IGNORE_INDEX).any(0).nonzero()
     width = int(targets[-1, 0]) + 1 if len(targets) else 1

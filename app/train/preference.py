@@ -1,6 +1,6 @@
 """Direct Preference Optimization: the loss of a micro-batch of (chosen, rejected) pairs, and its metrics.
 
-The policy is the PEFT LoRA model; the reference is the same model with its adapter disabled, run
+The policy is the PEFT LoRA model; the reference is the same model with its LoRA layers switched off, run
 without gradients: no second copy of the weights. Chosen and rejected answers go through one forward,
 concatenated along the batch (rows 0..B-1 chosen, B..2B-1 rejected), as the reference's do.
 
@@ -12,7 +12,7 @@ accumulation split, take the same step: the mean over the global batch's pairs.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def concatenated(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and labels of the chosen rows, then the rejected rows, right-padded to one width. Any id
-    pads: under the causal mask no real token attends to a later position, and pads carry no loss."""
+    """input_ids and labels of the chosen rows, then the rejected rows, right-padded to one width and cut
+    after the last target token (rows arrive padded to data.max_seq_len; what follows the last answer token
+    changes no log-prob under the causal mask). Any id pads, and pads carry no loss."""
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
 
     def side(name: str, pad: int) -> torch.Tensor:
@@ -36,7 +37,9 @@ def concatenated(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
     ids = torch.cat([side("chosen_input_ids", 0), side("rejected_input_ids", 0)])
     labels = torch.cat([side("chosen_labels", IGNORE_INDEX), side("rejected_labels", IGNORE_INDEX)])
-    return ids, labels
+    targets = (labels != IGNORE_INDEX).any(0).nonzero()
+    width = int(targets[-1, 0]) + 1 if len(targets) else 1
+    return ids[:, :width], labels[:, :width]
 
 
 def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -49,11 +52,31 @@ def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torc
     return (token_logps * (targets != IGNORE_INDEX)).sum(-1)
 
 
+@contextmanager
+def adapters_off(model):
+    """The model without its LoRA: every PEFT tuner layer's switch off, then back as it was.
+
+    Not PEFT's `disable_adapter()`: that also sets requires_grad off and on, and under FSDP2 the second
+    call lands on the parameters registered at that moment, the unsharded copies mid-step, so the
+    sharded LoRA weights stay frozen (their adapter then saves empty). This flips only the switch that
+    the layers' forward reads."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    were = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, were):
+            m._disable_adapters = was
+
+
 def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The same log-probs from the base model: the PEFT model with its adapter disabled, without gradients
-    (a model without `disable_adapter` is its own reference: no LoRA to disable)."""
-    off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
-    with torch.no_grad(), off:
+    """The same log-probs from the base model: the PEFT model with its adapter off, without gradients (a
+    model without LoRA layers is its own reference)."""
+    with torch.no_grad(), adapters_off(model):
         return sequence_logps(model, input_ids, labels)
 
 
@@ -71,25 +94,28 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
     raise ValueError(f"dpo.loss_type={loss_type}: use sigmoid, ipo or hinge")
 
 
-def pair_count(batch: dict) -> int:
-    return len(batch["chosen_input_ids"])
+def real_pairs(batch: dict) -> torch.Tensor:
+    """Which rows are pairs to learn from: a stand-in row (app/data/stream.py's without_targets) has no
+    target token and counts nowhere."""
+    return (batch["chosen_labels"] != IGNORE_INDEX).any(-1)
 
 
-def global_pair_count(micro_batches: list[dict], device: torch.device | str = "cpu") -> torch.Tensor:
+def global_pair_count(micro_batches: list[dict]) -> torch.Tensor:
     """P for this step: one all-reduce of a scalar, before any forward pass."""
-    count = torch.tensor(float(sum(pair_count(b) for b in micro_batches)), dtype=torch.float64, device=device)
+    count = sum(real_pairs(b).sum() for b in micro_batches).to(torch.float64)
     if dist.is_initialized():
         dist.all_reduce(count)
     return count
 
 
-def metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float) -> torch.Tensor:
-    """The METRICS of a micro-batch, summed over its pairs (all-reduce, then divide by the pairs)."""
+def metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+    """The METRICS of a micro-batch, summed over its (`real`) pairs (all-reduce, then divide by the pairs)."""
     chosen = beta * (policy_chosen - ref_chosen).detach()
     rejected = beta * (policy_rejected - ref_rejected).detach()
     per_pair = torch.stack([chosen, rejected, (chosen > rejected).to(chosen.dtype), chosen - rejected,
                             policy_chosen.detach(), policy_rejected.detach()])
-    return per_pair.double().sum(-1)
+    return (per_pair.double() * (1 if real is None else real)).sum(-1)
 
 
 def metrics_from_sums(sums: torch.Tensor, pairs: float) -> dict[str, float]:
@@ -101,10 +127,10 @@ def scaled_micro_batch_dpo_loss(model, batch: dict, global_pairs: torch.Tensor, 
     """What one rank backpropagates for one micro-batch of pairs; returns (that loss, its unscaled loss sum,
     its METRICS summed over its pairs). The reference's forward runs first, without gradients."""
     ids, labels = concatenated(batch)
-    pairs = pair_count(batch)
-    ref_chosen, ref_rejected = reference_logps(model, ids, labels).split(pairs)
-    policy_chosen, policy_rejected = sequence_logps(model, ids, labels).split(pairs)
-    loss_sum = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type,
-                          label_smoothing).sum()
-    sums = metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    rows, real = len(batch["chosen_input_ids"]), real_pairs(batch)
+    ref_chosen, ref_rejected = reference_logps(model, ids, labels).split(rows)
+    policy_chosen, policy_rejected = sequence_logps(model, ids, labels).split(rows)
+    loss_sum = (dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type,
+                           label_smoothing) * real).sum()
+    sums = metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, real)
     return loss_sum * (world_size / global_pairs), loss_sum.detach(), sums

@@ -1,8 +1,11 @@
 """The LoRA + FSDP2 fine-tuning recipe that every worker runs, in four named steps:
 
     setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
-    train_step()  one optimizer step: micro-batches -> loss over the global batch's targets -> clip -> step
-    evaluate()    mean eval loss per target token, and task metrics of greedy answers, all ranks together
+    train_step()  one optimizer step: micro-batches -> loss over the global batch -> clip -> step
+    evaluate()    eval loss (and with DPO the reward figures), task metrics of greedy answers, all ranks together
+
+The objective (app/train/objectives.py, by train.objective) says what the loss is: next-token loss on
+the target tokens (sft) or DPO on preference pairs (dpo).
     finish()      sample generations, the adapter gathered from every shard, the run's summary
 
 Plain torch: the process group must exist, and batches arrive as iterables of {"input_ids", "labels"}
@@ -38,9 +41,9 @@ from app.train.checkpoint import (
     save_adapter,
     save_training_state,
 )
-from app.train.evaluation import BestEvaluation, eval_metrics, evaluate_loss
+from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
-from app.train.loss import global_target_tokens, scaled_micro_batch_loss
+from app.train.objectives import objective_for
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.ranks import RankContext, max_over_ranks, on_every_rank
 from app.train.task_metrics import row_scores, score
@@ -93,6 +96,7 @@ class FinetuneRecipe:
         self.startup = StartupClock(self.job_start_time, memory=True)
         self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
         self.source_names = source_names if len(source_names) > 1 else ()
+        self.objective = objective_for(cfg)
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
 
     def setup(self) -> None:
@@ -163,33 +167,32 @@ class FinetuneRecipe:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
 
-        The loss is the mean over every target token of the global batch (app/train/loss.py), so any worker
-        count and accumulation split takes the same step. Gradients are reduce-scattered once, after
-        the last micro-batch.
+        The loss is the mean over every target token (or pair) of the global batch, so any worker count and
+        accumulation split takes the same step. Gradients are reduce-scattered once, after the last micro-batch.
         """
-        ctx, t0 = self.ctx, time.perf_counter()
+        ctx, objective, t0 = self.ctx, self.objective, time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        global_tokens = global_target_tokens(micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        normaliser = objective.normaliser(micro_batches)
+        sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, token_loss = scaled_micro_batch_loss(self.model, batch, global_tokens, ctx.world_size,
-                                                      self.cfg.train.loss_chunk_tokens)
+            loss, loss_sum, metric_sums = objective.micro_batch_loss(self.model, batch, normaliser, ctx.world_size)
             loss.backward()
-            loss_sum += token_loss
+            sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
         grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
         learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        step_totals = torch.cat([torch.stack([loss_sum, _real_tokens(micro_batches).to(ctx.device)]),
-                                 self._rows_per_source(micro_batches).to(ctx.device)])
-        dist.all_reduce(step_totals)  # global loss sum, non-pad token count, records of each source
-        loss_total, tokens, *source_rows, target_tokens, grad_norm = torch.cat(  # the step's one host sync
-            [step_totals, global_tokens.reshape(1), grad_norm.reshape(1).double()]).tolist()
-        self.train_loss = loss_total / target_tokens
+        step_totals = torch.cat([_real_tokens(micro_batches).to(ctx.device).reshape(1),
+                                 self._rows_per_source(micro_batches).to(ctx.device), sums])
+        dist.all_reduce(step_totals)  # non-pad token count, records of each source, loss and metric sums
+        tokens, *totals, normaliser, grad_norm = torch.cat(  # the step's one host sync
+            [step_totals, normaliser.reshape(1), grad_norm.reshape(1).double()]).tolist()
+        source_rows, (loss_total, *metric_totals) = totals[:len(self.source_names)], totals[len(self.source_names):]
+        self.train_loss = loss_total / normaliser
         seconds = time.perf_counter() - t0
         self.meter.add(tokens, seconds, data_wait)
         self.rows_per_source += torch.tensor(source_rows, dtype=torch.float64)
@@ -197,7 +200,8 @@ class FinetuneRecipe:
                   for name, rows in zip(self.source_names, self.rows_per_source)}
         return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
                 "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
-                "data_wait_seconds": data_wait, "step_tokens": tokens, "step_target_tokens": target_tokens, **shares}
+                "data_wait_seconds": data_wait, "step_tokens": tokens, objective.normaliser_name: normaliser,
+                **objective.step_figures(metric_totals, normaliser), **shares}
 
     def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
         n = len(self.source_names)
@@ -209,9 +213,9 @@ class FinetuneRecipe:
         """Eval loss and perplexity; with eval.generation_rows, the task metrics of greedy answers (the
         generations are kept: the final evaluation's become the sample table)."""
         cfg = self.cfg
-        figures = eval_metrics(evaluate_loss(self.model, self.eval_pass, self.ctx, cfg.train.loss_chunk_tokens))
+        figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx)
         if cfg.eval.generation_rows:
-            self.generations = generation_table(self.model, self.eval_pass(), self.tokenizer,
+            self.generations = generation_table(self.model, self.objective.prompts(self.eval_pass()), self.tokenizer,
                                                 cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
             figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
         self.eval_loss, self.eval_figures = figures["eval_loss"], figures
@@ -234,7 +238,7 @@ class FinetuneRecipe:
         if cfg.eval.generation_rows >= count:
             table = {column: values[:count] for column, values in self.generations.items()}
             return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
-        return generation_table(self.model, self.eval_pass(), self.tokenizer, cfg.train.sample_prompts,
+        return generation_table(self.model, self.objective.prompts(self.eval_pass()), self.tokenizer, count,
                                 cfg.train.sample_max_new_tokens, self.ctx.device, "train.sample_max_new_tokens")
 
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:

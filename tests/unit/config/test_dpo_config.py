@@ -1,4 +1,4 @@
-"""The dpo section and train.objective: defaults, one-line errors, and the refusal of an objective not wired yet."""
+"""The dpo section and train.objective: defaults, the shipped DPO config, and one-line errors."""
 
 import pytest
 
@@ -34,8 +34,26 @@ def test_label_smoothing_is_refused_for_the_losses_it_does_not_apply_to():
         load_config(None, ["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"])
 
 
-def test_dpo_is_refused_until_the_recipe_runs_it_so_nothing_silently_trains_sft():
+DPO_CONFIG = EMBEDDED_CONFIG.parent / "embedded_dpo.yaml"
+
+
+def test_the_shipped_dpo_config_reads_pairs_unpacked_and_ranks_by_reward_accuracy():
+    cfg = load_config(DPO_CONFIG)
+    assert (cfg.train.objective, cfg.data.format, cfg.data.packing) == ("dpo", "preference", False)
+    assert cfg.train.best_metric == "eval_rewards/accuracies"
+    margins = load_config(DPO_CONFIG, ["train.best_metric=eval_rewards/margins"])
+    assert margins.train.best_metric == "eval_rewards/margins"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.objective=dpo", "data.packing=true"], "data.packing=true: preference pairs are not packed"),
+    (["train.objective=dpo", "data.format=chat"], "data.format=chat holds no preference pairs"),
+    (["data.format=preference"], "data.format=preference holds pairs to prefer one answer of: set train.objective=dpo"),
+    (["train.objective=dpo", "train.best_metric=eval_perplexity", "eval.generation_rows=0"],
+     "train.best_metric=eval_perplexity is not an evaluation figure of this config: use one of eval_loss, "
+     "eval_rewards/accuracies, eval_rewards/margins"),
+])
+def test_an_objective_the_data_cannot_feed_is_one_line(overrides, message):
     with pytest.raises(UserInputError) as e:
-        load_config(EMBEDDED_CONFIG, ["train.objective=dpo"])
-    assert "train.objective=dpo: the DPO training loop is not wired into the recipe yet" in str(e.value)
-    assert "\n" not in str(e.value)
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)

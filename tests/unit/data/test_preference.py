@@ -99,3 +99,49 @@ def test_without_a_chat_template_the_plain_template_bos_and_eos_are_used(tokeniz
     prompt, chosen, rejected = tokenize_pair(plain, PAIR, "preference")
     assert plain.decode(prompt + chosen) == "<s>### Instruction:\nWrite 5 in words.\n\n### Response:\nfive<|im_end|>"
     assert plain.decode(rejected) == "six<|im_end|>"
+
+
+def test_data_format_preference_routes_every_source_check_and_the_tokenizing_to_pairs(tokenizer, tmp_path):
+    """What the pipeline calls for any source (formatting.tokenize_rows, sources.check_source) reads pairs when
+    data.format=preference: a JSONL of pairs counts its records, a bad one is named by file and line, and a
+    Parquet file needs chosen and rejected columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.data.formatting import detect_format, tokenize_rows
+    from app.data.sources import check_source, resolve_source
+    from app.errors import UserInputError
+
+    rows = tokenize_rows([PAIR, {"prompt": "x"}], tokenizer, "preference", 32)
+    assert list(rows["targets"] > 0) == [True, False] and rows["targets"][1] == -1
+    assert rows["length"][0] == 2 * rows["prompt_length"][0] + sum(
+        (rows[f"{side}_labels"][0] != IGNORE_INDEX).sum() for side in ("chosen", "rejected"))
+    assert detect_format(PAIR, "preference") == "preference"
+    good = tmp_path / "pairs.jsonl"
+    good.write_text("".join(f'{{"prompt": "p{i}", "chosen": "a", "rejected": "b"}}\n' for i in range(3)))
+    assert check_source(resolve_source(str(good), "data.train_path"), "preference") == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"}\n')
+    with pytest.raises(UserInputError, match=r"bad.jsonl:2: a preference record needs .*'rejected' is missing"):
+        check_source(resolve_source(str(bad), "data.train_path"), "preference")
+    pq.write_table(pa.table({"prompt": ["p"], "completion": ["c"]}), tmp_path / "sft.parquet")
+    with pytest.raises(UserInputError, match=r"lack the fields chosen\+rejected"):
+        check_source(resolve_source(str(tmp_path / "sft.parquet"), "data.train_path"), "preference")
+
+
+def test_a_stand_in_pair_trains_and_counts_nothing():
+    """A resumed rank whose first batch is already trained gets its last row with no target (app/data/stream.py):
+    for pairs, both sides' labels are ignored, so it is not a pair (app/train/preference.py's real_pairs)."""
+    import torch
+
+    from app.data.stream import without_targets
+    from app.train.preference import real_pairs
+
+    columns = [f"{side}_{c}" for side in ("chosen", "rejected") for c in ("input_ids", "labels")]
+    batch = {column: torch.arange(8).reshape(2, 4) for column in columns}
+    batch["length"] = torch.tensor([4, 4])
+    stand_in = without_targets(batch)
+    assert real_pairs(batch).tolist() == [True, True] and real_pairs(stand_in).tolist() == [False]
+    assert (stand_in["rejected_labels"] == IGNORE_INDEX).all()
+    assert stand_in["chosen_input_ids"].tolist() == [[4, 5, 6, 7]]
+    assert stand_in["length"].tolist() == [0]

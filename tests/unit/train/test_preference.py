@@ -91,7 +91,7 @@ def _pairs(count: int, seed: int = 0) -> dict:
 def test_sequence_logps_sum_the_log_probs_of_the_answer_tokens_only():
     model, _ = _tiny_lora()
     ids, labels = concatenated(_pairs(2))
-    assert ids.shape == (4, 12) and (labels[2:, 10:] == IGNORE_INDEX).all()  # rejected rows padded to 12
+    assert ids.shape == (4, 11) and (labels[2:, 9:] == IGNORE_INDEX).all()  # cut after the last target (col 10)
     with torch.no_grad():
         logps = sequence_logps(model, ids, labels)
         log_probs = model(input_ids=ids).logits.log_softmax(-1)

@@ -7,6 +7,7 @@ exported adapter is the best evaluation's.
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,8 @@ class RecordingTracker:
 
 def _batches(rows: dict, rank: int, world: int, micro: int) -> list[dict]:
     """Unpacked rows dealt to the ranks, as the pass coordinator hands them out (one data source)."""
-    mine = {k: torch.as_tensor(rows[k][rank::world]) for k in ("input_ids", "labels", "length")}
+    columns = [k for k in rows if k.endswith(("input_ids", "labels", "length"))]  # pairs: both sides' columns
+    mine = {k: torch.as_tensor(rows[k][rank::world]) for k in columns}
     mine["records"] = torch.ones(len(mine["length"]), 1, dtype=torch.int64)
     return [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, len(mine["length"]), micro)]
 
@@ -70,8 +72,8 @@ def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: st
     cfg = make_config(Path(out), embedded, *overrides)
     tokenizer = load_tokenizer(cfg.model)
     read = lambda path, n: [json.loads(line) for line in Path(path).read_text().splitlines()[:n]]  # noqa: E731
-    train_rows = tokenize_rows(read(cfg.data.train_path, 64), tokenizer, "auto", cfg.data.max_seq_len)
-    eval_rows = tokenize_rows(read(cfg.data.eval_path, 16), tokenizer, "auto", cfg.data.max_seq_len)
+    train_rows = tokenize_rows(read(cfg.data.train_path, 64), tokenizer, cfg.data.format, cfg.data.max_seq_len)
+    eval_rows = tokenize_rows(read(cfg.data.eval_path, 16), tokenizer, cfg.data.format, cfg.data.max_seq_len)
     ctx = RankContext(rank, world, torch.device("cpu"))
     train_pass = lambda epoch: _batches(train_rows, rank, world, cfg.train.micro_batch_size)  # noqa: E731
     eval_pass = lambda: _batches(eval_rows, 0, 1, cfg.train.micro_batch_size)  # noqa: E731
@@ -79,10 +81,11 @@ def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: st
 
 
 def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: str) -> None:
-    """The whole run, then the same run restored from its step-4 checkpoint."""
+    """The whole run, then the same run restored from its first checkpoint (train.checkpoint_every)."""
     cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
     results = {}
-    for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step4")):
+    first_checkpoint = Path(out) / "whole" / f"step{cfg.train.checkpoint_every}"
+    for name, restore_from in (("whole", None), ("restored", first_checkpoint)):
         tracker = RecordingTracker()
         summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
                                  DirectoryCheckpoints(Path(out) / name, restore_from),
@@ -153,3 +156,47 @@ def test_early_stopping_ends_a_run_whose_task_metric_stalls_and_exports_the_best
             total = sum(summed_token_loss(model, b).item() for b in eval_pass())
         tokens = sum(target_token_count(b["labels"]).item() for b in eval_pass())
         assert total / tokens == pytest.approx(summary["initial_eval_loss"], rel=1e-4), name
+
+
+def _dpo(embedded: dict, *overrides: str) -> list[str]:
+    data = Path(embedded["train"]).parent
+    return ["train.objective=dpo", f"data.train_path={data / 'preference_train.jsonl'}",
+            f"data.eval_path={data / 'preference_eval.jsonl'}", "train.best_metric=eval_rewards/accuracies",
+            "train.max_steps=6", "train.eval_every=3", "train.log_every=1", "train.checkpoint_every=3",
+            "train.warmup_steps=0", "train.global_batch_size=16",
+            "train.micro_batch_size=4", "train.learning_rate=1e-3", "train.sample_prompts=2",
+            "train.sample_max_new_tokens=4", "eval.generation_rows=0", "dpo.beta=0.1",
+            "model.dtype=float32", "fsdp.param_dtype=float32", *overrides]  # fp32: 1 and 2 workers agree closely
+
+
+def test_dpo_takes_the_same_steps_on_one_and_two_workers_resumes_exactly_and_prefers_the_chosen_answers(
+        embedded, tmp_path):
+    """The same 16 pairs per step, as 4 micro-batches on one worker or 2 x 2 on two: the same DPO loss and
+    rewards at every step; restored from its step-3 checkpoint, the 2-worker run takes the same steps 4-6.
+    Training raises the chosen answers' reward above the rejected ones'."""
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"world{world}"
+        run_ranks(_train_twice, world, embedded, str(out), *_dpo(embedded, f"scaling.num_workers={world}"))
+        runs[world] = json.loads((out / "results.json").read_text())["whole"]
+        if world == 2:
+            restored = json.loads((out / "results.json").read_text())["restored"]
+    one, two = ({int(step): m for step, m in runs[w]["metrics"].items()} for w in (1, 2))
+    for step in range(4, 7):
+        assert restored["metrics"][str(step)]["train_loss"] == pytest.approx(two[step]["train_loss"], rel=1e-6)
+    for step in range(1, 7):
+        for key in ("train_loss", "logps/chosen", "logps/rejected", "step_pairs"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4), (step, key)
+        # differences of summed fp32 log-probs: rounding in another reduction order, and at most one tied pair
+        assert two[step]["rewards/margins"] == pytest.approx(one[step]["rewards/margins"], abs=1e-3), step
+        assert two[step]["rewards/accuracies"] == pytest.approx(one[step]["rewards/accuracies"], abs=1 / 16), step
+    assert one[1]["train_loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at the start
+    assert one[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-4) and one[0]["eval_rewards/margins"] == 0
+    summary = runs[2]["summary"]
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["final_eval_rewards/margins"] > 0 and summary["final_eval_rewards/accuracies"] > 0.5
+    # every LoRA weight is saved, trained (the reference's adapter switch leaves the sharded weights trainable)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "world2" / "whole" / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == 4 * 7 * 2 and all(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)

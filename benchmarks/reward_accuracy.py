@@ -1,0 +1,73 @@
+"""Held-out reward accuracy of a DPO adapter, computed outside the product: plain transformers + PEFT.
+
+For each pair, the implicit reward of an answer is beta x (log p_policy(answer | prompt) - log p_base(answer |
+prompt)), the policy being base + adapter and the base the same model with the adapter disabled; a pair is
+right when the chosen answer's reward beats the rejected one's. The prompt is rendered with the tokenizer's
+own chat template (add_generation_prompt), the answer is what the template adds after it.
+
+    python -m benchmarks.reward_accuracy --base .cache/embedded/model --adapter outputs/<run>/adapter \\
+        --pairs .cache/embedded/data/preference_eval.jsonl
+
+Prints one JSON line: pairs, reward accuracy, mean margin (beta from the adapter's run config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def answer_logp(model, tokenizer, prompt: list[dict], answer: list[dict]) -> float:
+    before = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(prompt + answer, tokenize=False)
+    prompt_ids = tokenizer(before, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    answer_ids = tokenizer(full[len(before):], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = torch.cat([prompt_ids, answer_ids], dim=1)
+    log_probs = model(input_ids=ids).logits[0, prompt_ids.shape[1] - 1:-1].float().log_softmax(-1)
+    return log_probs.gather(-1, answer_ids[0, :, None]).sum().item()
+
+
+def messages(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) of a {"prompt", "chosen", "rejected"} record with strings or messages."""
+    if isinstance(record["prompt"], str):
+        return ([{"role": "user", "content": record["prompt"]}],
+                *([{"role": "assistant", "content": record[side]}] for side in ("chosen", "rejected")))
+    return record["prompt"], record["chosen"], record["rejected"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--adapter", required=True)
+    parser.add_argument("--pairs", required=True, help="JSONL of preference records")
+    parser.add_argument("--max-pairs", type=int, default=0, help="0: all")
+    args = parser.parse_args()
+    with open(f"{args.adapter}/finetune_config.yaml") as f:
+        beta = yaml.safe_load(f)["dpo"]["beta"]
+    tokenizer = AutoTokenizer.from_pretrained(args.adapter)
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, args.adapter).eval()
+    records = [json.loads(line) for line in open(args.pairs) if line.strip()]
+    right, margins = 0, []
+    with torch.no_grad():
+        for record in records[:args.max_pairs or None]:
+            prompt, chosen, rejected = messages(record)
+            rewards = []
+            for answer in (chosen, rejected):
+                policy = answer_logp(model, tokenizer, prompt, answer)
+                with model.disable_adapter():
+                    reference = answer_logp(model, tokenizer, prompt, answer)
+                rewards.append(beta * (policy - reference))
+            right += rewards[0] > rewards[1]
+            margins.append(rewards[0] - rewards[1])
+    print(json.dumps({"pairs": len(margins), "reward_accuracy": right / len(margins),
+                      "reward_margin": sum(margins) / len(margins), "beta": beta}))
+
+
+if __name__ == "__main__":
+    main()

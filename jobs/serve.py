@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-queued-requests", type=int, default=64, help="requests queued beyond those (503)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="end a request after this long")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--metrics-port", type=int, default=0, help="where Ray exports Serve's request metrics "
+                        "in Prometheus format when it starts a cluster of its own (default: a free port, printed); on "
+                        "a cluster, each node's metrics export port")
     parser.add_argument("--detach", action="store_true", help="deploy and return (on a running cluster)")
     return parser.parse_args(argv)
 
@@ -94,6 +97,8 @@ def check_numbers(args: argparse.Namespace) -> None:
                  "request_timeout_s"):
         if getattr(args, flag) <= 0:
             raise UserInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if not 0 <= args.metrics_port < 65536:
+        raise UserInputError(f"--metrics-port {args.metrics_port}: a port number (0: a free one)")
     if args.max_queued_requests < 0:
         raise UserInputError(f"--max-queued-requests {args.max_queued_requests}: must be 0 or more")
     if args.max_ongoing_requests < args.max_batch_size:
@@ -118,11 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from app.launch.driver import joins_a_cluster
+    from app.launch.driver import free_local_port, joins_a_cluster
     from app.serve.api import key_digest
     from app.serve.server import ChatCompletions
 
-    ray.init(**({} if joins_a_cluster() else {"address": "local", "include_dashboard": False}))
+    metrics = None
+    if joins_a_cluster():
+        ray.init()
+    else:
+        metrics = args.metrics_port or free_local_port()
+        ray.init(address="local", include_dashboard=False, _metrics_export_port=metrics)
     serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout_s})
     deployment = ChatCompletions.options(max_ongoing_requests=args.max_ongoing_requests,
                                          max_queued_requests=args.max_queued_requests)
@@ -131,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                           key and key_digest(key), args.max_batch_size, args.max_body_bytes)
     serve.run(app, name=args.name, route_prefix="/")
     print(f"serving {', '.join([args.base_name, *adapters])} at http://{args.host}:{args.port}/v1", flush=True)
+    if metrics:  # Ray's metrics agent: request counts, latencies, queue lengths (ray_serve_*)
+        print(f"Prometheus metrics at http://127.0.0.1:{metrics}/metrics", flush=True)
     if args.detach:
         return 0
     try:

@@ -30,10 +30,11 @@ def ray_cluster():
     # faster keeps the fault tests' kill-to-checkpoint margins short. Set before Ray starts its processes.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     # Two test processes may each run a cluster (make test: pytest -n 2): a bounded object store each.
-    from app.launch.driver import pin_state_api_address
+    from app.launch.driver import state_api_address_pinned
 
-    port = pin_state_api_address()  # as a local job does: Ray Train's state API queries find this cluster
-    ray.init(num_cpus=(os.cpu_count() or 1) + 2, dashboard_port=port, object_store_memory=2 * 2**30)
+    # as a local job does: Ray Train's state API queries find this cluster (its dashboard costs a few seconds)
+    with state_api_address_pinned() as port:
+        ray.init(num_cpus=(os.cpu_count() or 1) + 2, dashboard_port=port, object_store_memory=2 * 2**30)
     yield ray
     ray.shutdown()
 

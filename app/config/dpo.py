@@ -42,4 +42,7 @@ def objective_data_problem(objective: str, data) -> str | None:
     if pairs and data.packing and "packing" in data.model_fields_set:
         return ("data.packing=true: preference pairs are not packed (chosen and rejected go through one forward "
                 "side by side); remove the key or set it false for train.objective=dpo")
+    if pairs and data.long_records == "split" and "long_records" in data.model_fields_set:
+        return ("data.long_records=split: a preference pair is truncated to data.max_seq_len (the prompt's end, "
+                "the answers' starts), never split; remove the key for train.objective=dpo")
     return None

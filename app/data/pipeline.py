@@ -154,5 +154,10 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
     records = [r for b in eval_ds.limit(data.max_eval_rows).iter_batches(batch_format="pyarrow") for r in b.to_pylist()]
     rows = tokenize_rows(records, tokenizer, data.format, data.max_seq_len, data.long_records)
     keep = rows["targets"] > 0
+    if not keep.any():
+        where = ("data.eval_path" if data.eval_path else
+                 f"data.eval_fraction={data.eval_fraction} of data.train_path (the held-out share came out empty)")
+        raise UserInputError(f"{where}: no eval record left with a target token within data.max_seq_len="
+                             f"{data.max_seq_len} ({len(records)} read); give more or longer-allowed eval data")
     model_inputs = {k: v[keep] for k, v in rows.items() if k.endswith(("input_ids", "labels"))}  # pairs: both sides
     return rows_dataset(model_inputs), int((~keep).sum())

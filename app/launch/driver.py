@@ -6,6 +6,7 @@ second, not a cluster start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import getpass
 import os
@@ -52,8 +53,8 @@ def init_ray(verbose: bool = False) -> None:
     if joins_a_cluster():
         ray.init(logging_level=level)
     else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
-        port = pin_state_api_address()
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level, dashboard_port=port)
+        with state_api_address_pinned() as port:
+            ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level, dashboard_port=port)
     if not verbose:
         console.filter_worker_output()
     if threading.current_thread() is threading.main_thread():
@@ -62,18 +63,30 @@ def init_ray(verbose: bool = False) -> None:
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
 
 
-def pin_state_api_address() -> int:
-    """A free port for the local cluster's dashboard, named in RAY_API_SERVER_ADDRESS before Ray starts so
-    that every Ray process inherits it. Ray Train's PlacementGroupCleaner asks the state API whether the
-    controller lives; with no address given it looks for a cluster, and where several run on the machine
-    (two jobs, a `cluster/local-up.sh` stack) it prints a traceback every few seconds instead."""
+def free_local_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def state_api_address_pinned():
+    """Yields a free port for the local cluster's dashboard, named in RAY_API_SERVER_ADDRESS while Ray starts
+    (the `ray.init` inside the block), so that every Ray process inherits it, and this process not beyond
+    the block (a Jobs API client here would follow it). Ray Train's PlacementGroupCleaner asks the state API
+    whether the controller lives; with no address given it looks for a cluster, and where several run on
+    the machine (two jobs, a `cluster/local-up.sh` stack) it prints a traceback every few seconds instead."""
+    port, before = free_local_port(), os.environ.get("RAY_API_SERVER_ADDRESS")
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    return port
+    try:
+        yield port
+    finally:
+        if before is None:
+            del os.environ["RAY_API_SERVER_ADDRESS"]
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = before
 
 
 def check_placement(cfg: FinetuneConfig) -> None:

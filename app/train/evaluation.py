@@ -1,4 +1,5 @@
-"""Evaluation on the held-out set: mean loss per target token, the same for any worker count."""
+"""Evaluation on the held-out set, the same for any worker count: mean loss per target token, or any sums
+that an objective scores each batch with (app/train/objectives.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def dealt_eval_sums(model, eval_pass: Callable[[], Iterable], ctx: RankContext,
     model.eval()
     batches = [to_device(cut_after_last_target(b), ctx.device) for b in eval_pass()]
     if not batches:
-        raise RuntimeError("the eval set is empty: every eval record lacked a target token")
+        raise RuntimeError("no eval rows reached this worker (the driver refuses an empty eval set)")
     mine = batches[ctx.rank::ctx.world_size]
     totals = None
     for i in range(math.ceil(len(batches) / ctx.world_size)):

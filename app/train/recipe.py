@@ -3,14 +3,15 @@
     setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
     train_step()  one optimizer step: micro-batches -> loss over the global batch -> clip -> step
     evaluate()    eval loss (and with DPO the reward figures), task metrics of greedy answers, all ranks together
+    finish()      sample generations, the adapter gathered from every shard, the run's summary
 
 The objective (app/train/objectives.py, by train.objective) says what the loss is: next-token loss on
 the target tokens (sft) or DPO on preference pairs (dpo).
-    finish()      sample generations, the adapter gathered from every shard, the run's summary
 
-Plain torch: the process group must exist, and batches arrive as iterables of {"input_ids", "labels"}
-tensors. Ray (app/launch/worker.py) provides both on a cluster, plus a checkpoint store; the unit tests
-provide them with torch.multiprocessing and lists (tests/unit/train/test_recipe.py).
+Plain torch: the process group must exist, and batches arrive as iterables of token-row tensors
+({"input_ids", "labels", ...}; for pairs "chosen_input_ids", "rejected_labels", ...). Ray
+(app/launch/worker.py) provides both on a cluster, plus a checkpoint store; the unit tests provide them
+with torch.multiprocessing and lists (tests/unit/train/test_recipe.py).
 """
 
 from __future__ import annotations
@@ -210,8 +211,9 @@ class FinetuneRecipe:
         return sum(b["records"].sum(0) for b in micro_batches).double()
 
     def evaluate(self) -> dict[str, float]:
-        """Eval loss and perplexity; with eval.generation_rows, the task metrics of greedy answers (the
-        generations are kept: the final evaluation's become the sample table)."""
+        """The objective's eval figures (loss and perplexity, or DPO's loss and rewards); with eval.generation_rows,
+        the task metrics of greedy answers (the generations are kept: the final evaluation's become the sample
+        table)."""
         cfg = self.cfg
         figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx)
         if cfg.eval.generation_rows:

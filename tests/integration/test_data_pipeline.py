@@ -14,9 +14,11 @@ import torch
 from app.data.coordinator import shard_batches, start_pass_coordinator
 from app.data.formatting import IGNORE_INDEX
 from app.data.passes import pass_order, take_rows
-from app.data.pipeline import build_train_data, is_held_out
+from app.data.pipeline import build_eval_rows, build_train_data, is_held_out
 from app.data.sources import check_source, resolve_source
 from app.data.stream import ShardStream
+from app.errors import UserInputError
+from app.model.build import load_tokenizer
 from app.model.embedded import number_in_words
 from tests.helpers import chat, make_config, write_jsonl
 
@@ -85,6 +87,11 @@ def test_records_truncated_to_no_target_are_dropped_and_counted(ray_cluster, emb
     write_jsonl(tmp_path / "a.jsonl", _numbered(10) + [long_prompt] * 3)
     train, _ = _train_data(cfg, tmp_path / "a.jsonl")
     assert train.dropped_rows == 3 and train.sources[0].count() == 10 and train.plan.rows == (10,)
+    # an eval set with nothing left to score stops the run in the driver, in one line (not every worker)
+    tokenizer = load_tokenizer(cfg.model)
+    with pytest.raises(UserInputError, match=r"^data.eval_path: no eval record left with a target token within "
+                                             r"data.max_seq_len=32 \(3 read\)"):
+        build_eval_rows([ray.data.from_items([long_prompt] * 3)], tokenizer, cfg.data)
 
 
 def _answers(batches, tokenizer) -> list[str]:

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.e2e
 KEY = "integration-key-9876"
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def served(reference_run, embedded, tmp_path_factory):
     cfg, summary = reference_run
@@ -32,7 +35,8 @@ def served(reference_run, embedded, tmp_path_factory):
     server = subprocess.Popen(
         [sys.executable, "-m", "jobs.serve", "--adapter", f"demo=models:/reference-adapter/{summary['version']}",
          "--adapter", f"noisy={noisy}", "--port", str(port), "--max-new-tokens", "12",
-         "--max-ongoing-requests", "8", "--max-queued-requests", "8", "--request-timeout-s", "120"],
+         "--max-ongoing-requests", "8", "--max-queued-requests", "8", "--request-timeout-s", "120",
+         "--metrics-port", str(METRICS_PORT)],
         env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"], "SERVE_API_KEY": KEY},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -90,6 +94,21 @@ def test_keys_refusals_and_streaming_through_serve(served):
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
     assert chunks[-1].usage == answer.usage
+
+
+def test_serve_request_metrics_are_exported_in_prometheus_format(served):
+    """Ray's metrics agent exports Serve's per-application request counts (as the serve job prints its
+    address); they arrive within its export interval."""
+    client, _ = served
+    client.chat.completions.create(model="base", messages=QUESTION, max_tokens=1)
+    deadline, counted = time.time() + 60, []
+    while time.time() < deadline and not counted:
+        text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+        counted = [line for line in text.splitlines() if line.startswith("ray_serve_num_http_requests_total{")
+                   and 'application="finetune-chat"' in line]
+        time.sleep(2)
+    assert counted and sum(float(line.rsplit(" ", 1)[1]) for line in counted) >= 1
+    assert "ray_serve_http_request_latency_ms_bucket{" in text
 
 
 def test_requests_beyond_the_replica_and_its_queue_get_503(served):

@@ -48,6 +48,7 @@ def test_the_shipped_dpo_config_reads_pairs_unpacked_and_ranks_by_reward_accurac
 @pytest.mark.parametrize("overrides, message", [
     (["train.objective=dpo", "data.packing=true"], "data.packing=true: preference pairs are not packed"),
     (["train.objective=dpo", "data.format=chat"], "data.format=chat holds no preference pairs"),
+    (["train.objective=dpo", "data.long_records=split"], "data.long_records=split: a preference pair is truncated"),
     (["data.format=preference"], "data.format=preference holds pairs to prefer one answer of: set train.objective=dpo"),
     (["train.objective=dpo", "train.best_metric=eval_perplexity", "eval.generation_rows=0"],
      "train.best_metric=eval_perplexity is not an evaluation figure of this config: use one of eval_loss, "

@@ -25,6 +25,7 @@ def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--max-batch-size", "0"], "--max-batch-size 0: must be positive"),
     (["--max-ongoing-requests", "4"], "--max-ongoing-requests 4: fewer than --max-batch-size 8"),
     (["--request-timeout-s", "-1"], "--request-timeout-s -1.0: must be positive"),
+    (["--metrics-port", "70000"], "--metrics-port 70000: a port number (0: a free one)"),
 ])
 def test_a_bad_argument_is_refused_in_one_line_before_ray_starts(args, says):
     result = _serve(*args)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from app.config.paths import export_credentials
 from app.errors import UserInputError
+from app.runs.layout import OutputDir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +65,48 @@ def adapters_by_name(specs: list[str]) -> dict[str, str]:
             raise UserInputError(f"--adapter {spec}: the name {name} is given twice")
         adapters[name] = source
     return adapters
+
+
+def check_sources(adapters: dict[str, str], output_dir: str) -> None:
+    """Every adapter's source exists, before Ray starts: a local folder or run is found; a registered version is
+    asked of the tracking server once, without MLflow's minutes of retries (the replicas download it)."""
+    from app.serve.models import adapter_folder
+
+    for name, source in adapters.items():
+        try:
+            if source.startswith("models:/"):
+                registered_version(source, output_dir)
+            elif "://" not in output_dir:
+                adapter_folder(source, output_dir)
+        except Exception as e:  # MLflow's errors name the URI, which holds no credentials by now
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise UserInputError(f"--adapter {name}={source}: {first.removeprefix(f'adapter {source}: ')}") from None
+
+
+def registered_version(uri: str, output_dir: str) -> None:
+    """Asks the registry for the version; without $MLFLOW_TRACKING_URI the registry is the local store the
+    training job writes under --output-dir (exported, so the replicas read the same)."""
+    parts = uri.removeprefix("models:/").strip("/").split("/")
+    if len(parts) != 2 or not parts[1].isdigit():
+        raise ValueError("expected models:/NAME/VERSION")
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        store = OutputDir(os.path.abspath(output_dir)).mlflow_store
+        if "://" in output_dir or not store.exists():
+            raise ValueError(f"no registry to ask: set MLFLOW_TRACKING_URI (no local store at {store})")
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{store}"
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+    saved = {k: os.environ.get(k) for k in quick}
+    os.environ.update(quick)
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient().get_model_version(*parts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -115,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                                  "(--base-name); choose another")
         check_numbers(args)
         key = api_key(args)
+        if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
+            os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
+        check_sources(adapters, args.output_dir)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
-        os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
     import ray
     from ray import serve
 

@@ -43,3 +43,25 @@ def test_the_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
     assert api_key(parse_args([*outside, "--api-key-file", str(tmp_path / "key")])) == "from-file"
     monkeypatch.delenv("SERVE_API_KEY")
     assert api_key(parse_args(["--adapter", "a=b"])) is None  # loopback: a key is optional
+
+
+def test_an_adapter_that_is_not_there_is_refused_before_ray_starts_without_the_trackers_password(tmp_path):
+    """A folder or run that does not exist, and a registered version on a tracking server that does not answer:
+    one line naming the --adapter, at once (no minutes of MLflow retries), and the URI's password nowhere."""
+    from tests.helpers import free_port
+
+    unregistered = _serve("--output-dir", str(tmp_path))  # no tracking URI and no local store there
+    assert unregistered.returncode == 2 and len(unregistered.stderr.strip().splitlines()) == 1
+    assert unregistered.stderr.startswith("error: --adapter demo=models:/demo/1: no registry to ask: set "
+                                          "MLFLOW_TRACKING_URI")
+    assert not (tmp_path / "mlflow.db").exists()  # a check creates no store
+    from app.errors import UserInputError
+    from jobs.serve import check_sources
+
+    with pytest.raises(UserInputError, match=f"^--adapter local={tmp_path / 'nothing'}: neither an adapter folder"):
+        check_sources({"local": str(tmp_path / "nothing")}, str(tmp_path))
+    password = "serve_password_do_not_print_5e1c"
+    down = _serve(env={"MLFLOW_TRACKING_URI": f"http://user:{password}@127.0.0.1:{free_port()}"})
+    assert down.returncode == 2 and down.stderr.startswith("error: --adapter demo=models:/demo/1: ")
+    assert len(down.stderr.strip().splitlines()) == 1
+    assert password not in down.stdout + down.stderr

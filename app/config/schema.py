@@ -138,6 +138,9 @@ class TrainSection(_Section):
     seed: int = Field(0, description="seeds the LoRA initialisation, the eval split and shuffling")
     log_every: int = Field(1, gt=0, description="steps between MLflow metric batches and progress lines")
     eval_every: int = Field(50, gt=0, description="steps between evaluations (and one at the end)")
+    eval_on_start: bool = Field(False, description="evaluate the untrained adapter before the first step: step 0 "
+                                "on the eval curves and the summary's initial_eval_loss, for one evaluation's time "
+                                "(off by default, as in TRL and torchtune)")
     checkpoint_every: int = Field(50, gt=0, description="steps between sharded checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="how many of the latest checkpoints to keep")
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")

@@ -122,18 +122,19 @@ class FinetuneRecipe:
                                                          load_best_adapter(d)))
                     if self.checkpoints else None)
         self.best, self.best_adapter = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience), None
+        self.eval_loss = None  # nothing evaluated in this attempt yet
         if restored is None:
-            figures = self.evaluate()
+            figures = self.evaluate() if cfg.train.eval_on_start else {}
             self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
-                                      initial_eval_loss=self.eval_loss)
-            self.rank_evaluation(0)
-            self.startup.reached("initial_eval_done")
+                                      initial_eval_loss=self.eval_loss if figures else math.nan)
+            if figures:
+                self.rank_evaluation(0)
+                self.startup.reached("initial_eval_done")
             self.tracker.log_metrics(figures | self.startup.seconds, step=0)
         else:
             self.state, self.best_adapter = restored
             self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **self.state.best)
             self.scheduler.load_state_dict(self.state.scheduler)
-            self.eval_loss = None  # nothing evaluated in this attempt yet
             self.tracker.log_metrics({"resumed_from_step": self.state.step}, step=self.state.step,
                                      once_per_step=False)
         self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch, self.state.rows_into_epoch,

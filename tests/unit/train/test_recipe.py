@@ -172,12 +172,14 @@ def _dpo(embedded: dict, *overrides: str) -> list[str]:
 def test_dpo_takes_the_same_steps_on_one_and_two_workers_resumes_exactly_and_prefers_the_chosen_answers(
         embedded, tmp_path):
     """The same 16 pairs per step, as 4 micro-batches on one worker or 2 x 2 on two: the same DPO loss and
-    rewards at every step; restored from its step-3 checkpoint, the 2-worker run takes the same steps 4-6.
+    rewards at every step (evaluating before the first step or not); restored from its step-3 checkpoint, the
+    2-worker run takes the same steps 4-6.
     Training raises the chosen answers' reward above the rejected ones'."""
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"world{world}"
-        run_ranks(_train_twice, world, embedded, str(out), *_dpo(embedded, f"scaling.num_workers={world}"))
+        run_ranks(_train_twice, world, embedded, str(out), *_dpo(embedded, f"scaling.num_workers={world}",
+                                                                 f"train.eval_on_start={world == 2}"))
         runs[world] = json.loads((out / "results.json").read_text())["whole"]
         if world == 2:
             restored = json.loads((out / "results.json").read_text())["restored"]
@@ -191,7 +193,9 @@ def test_dpo_takes_the_same_steps_on_one_and_two_workers_resumes_exactly_and_pre
         assert two[step]["rewards/margins"] == pytest.approx(one[step]["rewards/margins"], abs=1e-3), step
         assert two[step]["rewards/accuracies"] == pytest.approx(one[step]["rewards/accuracies"], abs=1 / 16), step
     assert one[1]["train_loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at the start
-    assert one[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-4) and one[0]["eval_rewards/margins"] == 0
+    assert two[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-4) and two[0]["eval_rewards/margins"] == 0
+    # without train.eval_on_start (the default) step 0 logs the start-up clock only, and the summary no initial loss
+    assert not any(k.startswith("eval_") for k in one[0]) and math.isnan(runs[1]["summary"]["initial_eval_loss"])
     summary = runs[2]["summary"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["final_eval_rewards/margins"] > 0 and summary["final_eval_rewards/accuracies"] > 0.5

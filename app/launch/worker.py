@@ -16,7 +16,6 @@ import ray.train.torch
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import shard_batches
-from app.tracking.logger import RunLogger
 from app.train.checkpoint import TrainerState
 from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe, NoTracking
@@ -88,7 +87,12 @@ def train_worker(launch: WorkerLaunch) -> None:
     export_tracking_credentials()  # the config holds the URI without them
     for variable, value in launch.mlflow_credentials.items():
         os.environ.setdefault(variable, value)
-    tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir) if ctx.is_main else NoTracking()
+    if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
+        from app.tracking.logger import RunLogger
+
+        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir)
+    else:
+        tracker = NoTracking()
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),

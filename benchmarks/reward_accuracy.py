@@ -21,6 +21,8 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.runs.layout import ADAPTER_RUN_CONFIG
+
 
 def answer_logp(model, tokenizer, prompt: list[dict], answer: list[dict]) -> float:
     before = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
@@ -47,15 +49,21 @@ def main() -> None:
     parser.add_argument("--pairs", required=True, help="JSONL of preference records")
     parser.add_argument("--max-pairs", type=int, default=0, help="0: all")
     args = parser.parse_args()
-    with open(f"{args.adapter}/finetune_config.yaml") as f:
+    with open(f"{args.adapter}/{ADAPTER_RUN_CONFIG}") as f:  # the run's config, saved beside its adapter
         beta = yaml.safe_load(f)["dpo"]["beta"]
-    tokenizer = AutoTokenizer.from_pretrained(args.adapter)
-    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, args.adapter).eval()
-    records = [json.loads(line) for line in open(args.pairs) if line.strip()]
+    print(json.dumps(reward_accuracy(args.base, args.adapter, args.pairs, beta, args.max_pairs)))
+
+
+def reward_accuracy(base_path: str, adapter: str, pairs: str, beta: float, max_pairs: int = 0) -> dict:
+    """Reward accuracy and mean margin of `adapter` (a PEFT folder with its tokenizer) on the first
+    `max_pairs` records of `pairs` (0: all), rewards scaled by `beta`."""
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    records = [json.loads(line) for line in open(pairs) if line.strip()]
     right, margins = 0, []
     with torch.no_grad():
-        for record in records[:args.max_pairs or None]:
+        for record in records[:max_pairs or None]:
             prompt, chosen, rejected = messages(record)
             rewards = []
             for answer in (chosen, rejected):
@@ -65,8 +73,8 @@ def main() -> None:
                 rewards.append(beta * (policy - reference))
             right += rewards[0] > rewards[1]
             margins.append(rewards[0] - rewards[1])
-    print(json.dumps({"pairs": len(margins), "reward_accuracy": right / len(margins),
-                      "reward_margin": sum(margins) / len(margins), "beta": beta}))
+    return {"pairs": len(margins), "reward_accuracy": right / len(margins),
+            "reward_margin": sum(margins) / len(margins), "beta": beta}
 
 
 if __name__ == "__main__":

@@ -95,6 +95,38 @@ def eval_loss(model, rows: dict, rank: int, world: int) -> float:
     return (total[0] / total[1]).item()
 
 
+def trl_worker_start(model_path: str):
+    """What each TRL benchmark worker starts with: the gloo group, (rank, world size, whether bf16 computes fast
+    here, the tokenizer, the fp32 model with SDPA, its decoder layer's class name for fsdp_config)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.model.hardware import has_fast_bf16
+
+    dist.init_process_group("gloo")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    return (dist.get_rank(), dist.get_world_size(), has_fast_bf16(torch.device("cpu")), tokenizer, model,
+            type(model.model.layers[0]).__name__)
+
+
+def trainer_arguments(args: argparse.Namespace, layer_class: str, bf16: bool) -> dict:
+    """The TrainingArguments both TRL benchmarks share: the job's optimisation (constant LR, no warm-up, clip
+    1.0), no checkpointing or logging integrations, FSDP2 over each decoder layer."""
+    return dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+                learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                max_grad_norm=1.0, max_length=args.seq_len, activation_checkpointing=False, bf16=bf16, use_cpu=True,
+                fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
+                                        "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
+                logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=0,
+                dataloader_num_workers=0, disable_tqdm=True)
+
+
+def lora_config(r: int):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
 def fsdp_on_cpu(trainer_class):
     """`trainer_class` with accelerate's FSDP path on CPUs too. accelerate resolves a CPU process group to
     MULTI_CPU and then wraps the model in DDP, ignoring `fsdp_config`; on a GPU it takes the FSDP path by
@@ -117,33 +149,15 @@ def fsdp_on_cpu(trainer_class):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from app.data.formatting import tokenize_rows
-    from app.model.hardware import has_fast_bf16
     from app.train.progress import peak_memory_gb
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    bf16 = has_fast_bf16(torch.device("cpu"))
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="sdpa")
-    layer_class = type(model.model.layers[0]).__name__
-    config = SFTConfig(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, max_length=args.seq_len, packing=True, activation_checkpointing=False,
-        bf16=bf16, use_cpu=True,
-        fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
-                                "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
-        logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+    rank, world, bf16, tokenizer, model, layer_class = trl_worker_start(args.model_path)
+    config = SFTConfig(**trainer_arguments(args, layer_class, bf16), gradient_accumulation_steps=1, packing=True)
     trainer = fsdp_on_cpu(SFTTrainer)(model=model, args=config, train_dataset=prompt_completion(args.train),
-                         processing_class=tokenizer, peft_config=lora)
+                                      processing_class=tokenizer, peft_config=lora_config(args.lora_r))
     clock = StepClock(trainer.data_collator)
     trainer.data_collator = clock
     trainer.add_callback(clock.callback())

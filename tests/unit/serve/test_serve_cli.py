@@ -13,7 +13,8 @@ from tests.helpers import REPO
 def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    environment = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"} | (env or {})
+    environment = {k: v for k, v in os.environ.items()  # nothing another test left in this process's environment
+                   if k != "SERVE_API_KEY" and not k.startswith("MLFLOW_")} | (env or {})
     return subprocess.run([sys.executable, "-m", "jobs.serve", "--adapter", "demo=models:/demo/1", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=environment)
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from app.config.paths import export_credentials
-from app.errors import UserInputError
+from app.errors import UserInputError, first_line
 from app.runs.layout import OutputDir
 
 
@@ -79,8 +79,8 @@ def check_sources(adapters: dict[str, str], output_dir: str) -> None:
             elif "://" not in output_dir:
                 adapter_folder(source, output_dir)
         except Exception as e:  # MLflow's errors name the URI, which holds no credentials by now
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise UserInputError(f"--adapter {name}={source}: {first.removeprefix(f'adapter {source}: ')}") from None
+            reason = first_line(e)[:300].removeprefix(f"adapter {source}: ")
+            raise UserInputError(f"--adapter {name}={source}: {reason}") from None
 
 
 def registered_version(uri: str, output_dir: str) -> None:

@@ -126,10 +126,10 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
             rows = tokenized_in_driver(records, tokenizer, data, i).materialize()
         else:
             rows = tokenized(records, model, data, i).materialize()
-        trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets"]).materialize()
-        if "truncated" in trainable.columns():
-            truncated += trainable.sum("truncated") or 0
-            trainable = trainable.drop_columns(["truncated", "prompt_length"]).materialize()
+        pair_columns = [c for c in ("truncated", "prompt_length") if c in rows.columns()]  # preference pairs
+        if pair_columns:
+            truncated += rows.sum("truncated") or 0  # the dropped pairs' cuts too
+        trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets", *pair_columns]).materialize()
         bad = rows.filter(expr=col("targets") < 0).count()
         malformed += bad
         dropped += rows.count() - trainable.count() - bad

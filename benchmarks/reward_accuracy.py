@@ -1,8 +1,9 @@
 """Held-out reward accuracy of a DPO adapter, computed outside the product: plain transformers + PEFT.
 
-For each pair, the implicit reward of an answer is beta x (log p_policy(answer | prompt) - log p_base(answer |
-prompt)), the policy being base + adapter and the base the same model with the adapter disabled; a pair is
-right when the chosen answer's reward beats the rejected one's. The prompt is rendered with the tokenizer's
+For each pair, the implicit reward of an answer is beta x (log p_policy(answer | prompt) - log p_ref(answer |
+prompt)), the policy being base + adapter and the reference the same model with the adapter disabled (or, for
+a run that started from a trained adapter, base + that adapter: --reference-adapter); a pair is right when the
+chosen answer's reward beats the rejected one's. The prompt is rendered with the tokenizer's
 own chat template (add_generation_prompt), the answer is what the template adds after it.
 
     python -m benchmarks.reward_accuracy --base .cache/embedded/model --adapter outputs/<run>/adapter \\
@@ -48,18 +49,24 @@ def main() -> None:
     parser.add_argument("--adapter", required=True)
     parser.add_argument("--pairs", required=True, help="JSONL of preference records")
     parser.add_argument("--max-pairs", type=int, default=0, help="0: all")
+    parser.add_argument("--reference-adapter", help="the adapter the run started from (model.init_adapter), its "
+                        "DPO reference; default: the base")
     args = parser.parse_args()
     with open(f"{args.adapter}/{ADAPTER_RUN_CONFIG}") as f:  # the run's config, saved beside its adapter
         beta = yaml.safe_load(f)["dpo"]["beta"]
-    print(json.dumps(reward_accuracy(args.base, args.adapter, args.pairs, beta, args.max_pairs)))
+    print(json.dumps(reward_accuracy(args.base, args.adapter, args.pairs, beta, args.max_pairs,
+                                     args.reference_adapter)))
 
 
-def reward_accuracy(base_path: str, adapter: str, pairs: str, beta: float, max_pairs: int = 0) -> dict:
+def reward_accuracy(base_path: str, adapter: str, pairs: str, beta: float, max_pairs: int = 0,
+                    reference_adapter: str | None = None) -> dict:
     """Reward accuracy and mean margin of `adapter` (a PEFT folder with its tokenizer) on the first
-    `max_pairs` records of `pairs` (0: all), rewards scaled by `beta`."""
+    `max_pairs` records of `pairs` (0: all), rewards scaled by `beta`, against the base or `reference_adapter`."""
     tokenizer = AutoTokenizer.from_pretrained(adapter)
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter).eval()
+    model = PeftModel.from_pretrained(base, adapter, adapter_name="policy").eval()
+    if reference_adapter:
+        model.load_adapter(reference_adapter, adapter_name="reference")
     records = [json.loads(line) for line in open(pairs) if line.strip()]
     right, margins = 0, []
     with torch.no_grad():
@@ -67,9 +74,14 @@ def reward_accuracy(base_path: str, adapter: str, pairs: str, beta: float, max_p
             prompt, chosen, rejected = messages(record)
             rewards = []
             for answer in (chosen, rejected):
+                model.set_adapter("policy")
                 policy = answer_logp(model, tokenizer, prompt, answer)
-                with model.disable_adapter():
+                if reference_adapter:
+                    model.set_adapter("reference")
                     reference = answer_logp(model, tokenizer, prompt, answer)
+                else:
+                    with model.disable_adapter():
+                        reference = answer_logp(model, tokenizer, prompt, answer)
                 rewards.append(beta * (policy - reference))
             right += rewards[0] > rewards[1]
             margins.append(rewards[0] - rewards[1])

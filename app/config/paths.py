@@ -53,6 +53,12 @@ def input_path(path: str | None) -> str | None:
     return str(p.resolve())
 
 
+def existing_path(path: str | None) -> str | None:
+    """A path that exists here made absolute; anything else (a run name, a URI) as it is."""
+    return str(Path(path).expanduser().resolve()) if path and "://" not in path and Path(path).expanduser().exists() \
+        else path
+
+
 def output_dir(path: str) -> str:
     """train.output_dir as an absolute path or URI; in a job, never inside the job's working directory."""
     if "://" in path or Path(path).expanduser().is_absolute():

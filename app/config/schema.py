@@ -49,6 +49,10 @@ class ModelSection(_Section):
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
                                              "reads only its shard (host memory per worker ~ 1/N of the model)")
+    init_adapter: str | None = Field(None, description="a trained LoRA adapter to start from instead of a fresh "
+                                     "one: an adapter folder, a run name under train.output_dir, or "
+                                     "models:/NAME/VERSION; its LoRA settings must be the lora section's. With "
+                                     "train.objective=dpo it is also the reference (frozen), e.g. SFT then DPO")
 
 
 class LoraSection(_Section):
@@ -383,7 +387,8 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     pairs = cfg.train.objective == "dpo"  # preference records, one pair per row
     return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path)}),
+        "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path),
+                                              "init_adapter": paths.existing_path(cfg.model.init_adapter)}),
         "data": cfg.data.model_copy(update={
             "train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
                            else [paths.input_path(p) for p in cfg.data.train_path]),

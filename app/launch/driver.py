@@ -144,10 +144,11 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
 
 
 def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.data.Dataset, run_id: str,
-                  job_start_time: float, verbose: bool = False) -> TorchTrainer:
+                  job_start_time: float, init_adapter: dict | None = None, verbose: bool = False) -> TorchTrainer:
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials)
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials,
+                          ray.put(init_adapter) if init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
     return TorchTrainer(
@@ -225,7 +226,8 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
             passes, pass_figures = start_passes(train, cfg.scaling.num_workers, cfg.data)
             startup.reached("data_ready")
             tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
-            trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, verbose)
+            trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, inputs.init_adapter,
+                                    verbose)
             metrics = trainer.fit().metrics
             status = "FINISHED"
             tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, metrics))

@@ -12,7 +12,7 @@ from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig, ModelSection
 from app.data.formatting import check_chat_template
 from app.data.sources import DataSource, check_source, resolve_source
-from app.errors import UserInputError
+from app.errors import UserInputError, first_line
 from app.model.build import check_lora_targets, check_model_source, load_tokenizer
 from app.model.packing_probe import packing_problem
 from app.model.sharded_loading import sharded_loading_problem
@@ -26,6 +26,7 @@ class CheckedInputs:
     train_rows: list[int]  # records of each train source (-1: remote, counted when read)
     eval_rows: int
     tokenizer: object
+    init_adapter: dict | None = None  # model.init_adapter's weights (saved key -> tensor)
 
 
 def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
@@ -46,7 +47,34 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
         check_packing(cfg.model)
     for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer)
+    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer, read_init_adapter(cfg))
+
+
+def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
+    """model.init_adapter found (a folder, a run under train.output_dir, a registered version), checked against
+    the model this run builds, and its weights read: the driver ships them to the workers, which need not
+    reach where it came from."""
+    source = cfg.model.init_adapter
+    if source is None:
+        return None
+    from app.model.init_adapter import check_init_adapter, read_adapter_weights
+    from app.serve.models import Base, adapter_folder, base_of
+
+    try:
+        if source.startswith("models:/"):
+            import mlflow
+
+            mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+        folder = adapter_folder(source, cfg.train.output_dir)
+        trained_on = base_of(folder, source)
+    except Exception as e:  # no such folder or run, a registry that does not answer or lacks the version
+        raise UserInputError(f"model.init_adapter={source}: {first_line(e)}; give an adapter folder, a run name "
+                             f"under train.output_dir={cfg.train.output_dir}, or models:/NAME/VERSION") from None
+    check_init_adapter(source, folder, cfg.model, cfg.lora)
+    if not trained_on.same_as(Base(cfg.model.path, cfg.model.revision)):
+        print(f"warning: model.init_adapter={source} was trained on {trained_on}; this run's base is "
+              f"{cfg.model.path} (the shapes agree)", file=sys.stderr, flush=True)
+    return read_adapter_weights(folder)
 
 
 def check_packing(model: ModelSection) -> None:

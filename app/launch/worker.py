@@ -69,6 +69,7 @@ class WorkerLaunch:
     # MLflow credentials the driver took from a tracking URI (they never travel in the config); shipped
     # with the training function, never in a runtime env, job metadata or log
     mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
+    init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
 
 
 def train_worker(launch: WorkerLaunch) -> None:
@@ -96,7 +97,8 @@ def train_worker(launch: WorkerLaunch) -> None:
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
-                       cfg.run_dir, launch.job_start_time, launch.source_names).train()
+                       cfg.run_dir, launch.job_start_time, launch.source_names,
+                       ray.get(launch.init_adapter) if launch.init_adapter is not None else None).train()
     finally:
         if system is not None:
             system.finish()

@@ -7,6 +7,7 @@ when `model.trust_remote_code` is set.
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -88,13 +89,16 @@ def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
     ).to(device)
 
 
-def apply_lora(base, lora: LoraSection, seed: int):
+def apply_lora(base, lora: LoraSection, seed: int, reference: bool = False):
     """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32.
 
     Its initial weights are set by app.model.lora_init afterwards, from the seed, the same on every rank and
-    for either loading path.
+    for either loading path (or by app.model.init_adapter, from a trained adapter). With `reference`, a second
+    adapter of the same shape, frozen and without dropout, for DPO's reference (app.model.init_adapter.REFERENCE).
     """
     from peft import LoraConfig, get_peft_model
+
+    from app.model.init_adapter import REFERENCE
 
     torch.manual_seed(seed)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
@@ -102,7 +106,12 @@ def apply_lora(base, lora: LoraSection, seed: int):
                         bias="none")
     with warnings.catch_warnings():  # PEFT 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
+        model = get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
+        if reference:  # PEFT leaves an added adapter frozen while "default" is the active one
+            frozen = copy.deepcopy(config)
+            frozen.lora_dropout, frozen.inference_mode = 0.0, True
+            model.add_adapter(REFERENCE, frozen)
+    return model
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -111,8 +120,8 @@ def enable_activation_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu"):
-    model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed)
+def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu", reference: bool = False):
+    model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed, reference)
     init_lora_weights(model, seed, rows_of_loaded_model(model))
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)

@@ -24,18 +24,28 @@ from torch import nn
 from app.errors import UserInputError
 from app.model.build import apply_lora, build_lora_model, enable_activation_checkpointing
 from app.model.hardware import torch_dtype
+from app.model.init_adapter import REFERENCE, is_adapter_param, load_adapter_weights
 from app.model.lora_init import base_param_name, init_lora_weights
 from app.model.sharding import local_region, shard_model
 
 CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safetensors file, key in it)
 
 
-def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device) -> nn.Module:
-    """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says."""
+def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device,
+                             init_adapter: dict[str, torch.Tensor] | None = None, reference: bool = False) -> nn.Module:
+    """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says; its adapter starts from the seed,
+    or from `init_adapter` (a saved adapter's weights: app.model.init_adapter). With `reference` (DPO from a
+    starting adapter), a frozen copy of `init_adapter` as a second adapter."""
     if model_cfg.load == "full":
-        return shard_model(build_lora_model(model_cfg, lora_cfg, seed, device), mesh, fsdp_cfg, model_cfg.compile)
-    model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed), mesh, fsdp_cfg, model_cfg.compile)
-    materialize_sharded(model, model_cfg, seed, device)
+        model = shard_model(build_lora_model(model_cfg, lora_cfg, seed, device, reference), mesh, fsdp_cfg,
+                            model_cfg.compile)
+    else:
+        model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference), mesh, fsdp_cfg,
+                            model_cfg.compile)
+        materialize_sharded(model, model_cfg, seed, device)
+    if init_adapter is not None:
+        for adapter_name in ("default", REFERENCE) if reference else ("default",):
+            load_adapter_weights(model, init_adapter, adapter_name)
     return model
 
 
@@ -73,8 +83,8 @@ def checkpoint_generation_config(model_cfg, default):
         return default
 
 
-def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None):
-    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed)
+def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None, reference: bool = False):
+    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed, reference)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
@@ -167,9 +177,9 @@ class SliceReader:
 
 
 def load_base_shards(model: nn.Module, reader: SliceReader) -> None:
-    """Copy each frozen weight's local rows out of the checkpoint."""
+    """Copy each frozen base weight's local rows out of the checkpoint."""
     for name, param in model.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad or is_adapter_param(name):  # a frozen reference adapter is no base weight
             continue
         local, region = local_region(param)
         if local.numel():

@@ -116,7 +116,8 @@ def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: 
     """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is, with the
     tokenizer files and the config of the run that trained it (ADAPTER_RUN_CONFIG)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True)
+    peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True,
+                               selected_adapters=["default"])  # not DPO's frozen reference
     tokenizer.save_pretrained(out_dir)
     if run_config_yaml:
         (out_dir / ADAPTER_RUN_CONFIG).write_text(run_config_yaml)

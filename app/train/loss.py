@@ -50,20 +50,28 @@ def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, wor
 def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the unmasked tokens of one micro-batch; with
     `chunk_tokens`, computed in chunks where the model's output head allows it."""
+    return token_losses(model, batch, chunk_tokens).sum()
+
+
+def token_losses(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
+    """Next-token cross-entropy at every position after the first, 0 where the label is masked: [rows, length - 1]
+    in fp32 (packed rows under a FlashAttention kernel: one row laid end to end). With `chunk_tokens`, computed in
+    chunks where the model's output head allows it."""
     batch = _as_one_sequence_for_flash(model, batch)
     lm = _causal_lm(model)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
     if inputs["position_ids"] is not None:  # packed rows: what keeps their records apart in this model
         inputs |= packed_row_inputs(lm.config, inputs["position_ids"], lm.get_input_embeddings().weight.dtype)
-    labels = batch["labels"][:, 1:].flatten()
+    labels = batch["labels"][:, 1:]
     head = chunkable_head(model) if chunk_tokens else None
     softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
     hidden = _head_input(model, head, inputs, softcap) if head is not None else None
     if hidden is None:
         logits = model(**inputs).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels, chunk_tokens, softcap)
+        return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
+                               reduction="none")
+    return ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels.flatten(), chunk_tokens,
+                                           softcap).view(labels.shape)
 
 
 STAND_IN_LOGIT = 64.0  # what the head's stand-in returns: anything done to logits after the head moves it
@@ -157,14 +165,16 @@ def chunkable_head(model) -> nn.Linear | None:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over positions of cross_entropy(hidden @ weight.T [softcapped], labels), one chunk of positions
-    at a time. The gradients are computed in the forward, chunk by chunk, and kept (the size of `hidden`
-    and `weight`) instead of the logits."""
+    """cross_entropy(hidden @ weight.T [softcapped], labels) at each position (0 where masked), one chunk of
+    positions at a time. The gradients are computed in the forward, chunk by chunk, and kept (the size of
+    `hidden` and `weight`) instead of the logits; backward weighs each position's by its loss's gradient (the
+    loss scale under a sum, each sequence's DPO weight under DPO). The weight's gradient, summed in the
+    forward, takes one weight for every position: the LoRA recipes never train the head's base weight."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -176,7 +186,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             valid = y != IGNORE_INDEX
             target = y.clamp(min=0)
             log_norm = torch.logsumexp(logits, dim=-1)
-            total += ((log_norm - logits.gather(1, target[:, None])[:, 0]) * valid).sum()
+            losses[start:start + chunk_tokens] = (log_norm - logits.gather(1, target[:, None])[:, 0]) * valid
             if want_hidden or want_weight:
                 grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
                 grad[torch.arange(len(y), device=y.device), target] -= 1
@@ -190,11 +200,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight += (grad.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return total
+        return losses
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_losses):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_total.float()  # the loss scale (world size / N) in fp32: rounded to bf16 it is up to 0.4% off
+        # each position's weight (the loss scale, world size / N) in fp32: rounded to bf16 it is up to 0.4% off
+        scale = grad_losses.float()[:, None]
+        if grad_weight is not None:
+            if not torch.equal(grad_losses, grad_losses[:1].expand_as(grad_losses)):
+                raise NotImplementedError("train.loss_chunk_tokens: a trained output head needs one loss weight "
+                                          "for every position; set train.loss_chunk_tokens=0")
+            grad_weight = (grad_weight * grad_losses[0]).to(ctx.weight_dtype)
         return (None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
-                None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None)
+                grad_weight, None, None, None)

@@ -33,6 +33,7 @@ class NextToken:
 
     metric_names: tuple[str, ...] = ()
     normaliser_name = "step_target_tokens"
+    has_reference = False  # no reference model
 
     def __init__(self, cfg: FinetuneConfig):
         self.chunk_tokens = cfg.train.loss_chunk_tokens
@@ -57,20 +58,22 @@ class NextToken:
 
 
 class Preference:
-    """DPO: the policy (the LoRA model) against the reference (the same model, adapter disabled)."""
+    """DPO: the policy (the LoRA model) against the reference (the same model with its adapter disabled, or
+    with the run's frozen starting adapter: model.init_adapter)."""
 
     metric_names = METRICS
     normaliser_name = "step_pairs"
+    has_reference = True
 
     def __init__(self, cfg: FinetuneConfig):
-        self.dpo = cfg.dpo
+        self.dpo, self.chunk_tokens = cfg.dpo, cfg.train.loss_chunk_tokens
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         return global_pair_count(micro_batches)
 
     def micro_batch_loss(self, model, batch: dict, normaliser: torch.Tensor, world_size: int):
         return scaled_micro_batch_dpo_loss(model, batch, normaliser, world_size, self.dpo.beta, self.dpo.loss_type,
-                                           self.dpo.label_smoothing)
+                                           self.dpo.label_smoothing, self.chunk_tokens)
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return metrics_from_sums(torch.tensor(sums, dtype=torch.float64), normaliser)

@@ -1,7 +1,8 @@
 """Direct Preference Optimization: the loss of a micro-batch of (chosen, rejected) pairs, and its metrics.
 
 The policy is the PEFT LoRA model; the reference is the same model with its LoRA layers switched off, run
-without gradients: no second copy of the weights. Chosen and rejected answers go through one forward,
+without gradients: no second copy of the weights (or, when the run starts from a trained adapter, that
+adapter: a frozen second adapter in the same sharded model). Chosen and rejected answers go through one forward,
 concatenated along the batch (rows 0..B-1 chosen, B..2B-1 rejected), as the reference's do.
 
 Normalisation as in app/train/loss.py, with pairs in place of target tokens: each micro-batch
@@ -19,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.data.formatting import IGNORE_INDEX
+from app.model.init_adapter import REFERENCE
+from app.train.loss import token_losses
 
 # TRL's metric names, so curves compare across tools; each is a mean over pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -42,42 +45,43 @@ def concatenated(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :width], labels[:, :width]
 
 
-def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(answer | prompt) of each row: the log-probs of its target tokens (labels != -100), summed.
-    From the whole micro-batch's logits in fp32 (2B x length x vocabulary): train.loss_chunk_tokens does not
-    apply here yet."""
-    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
-    targets = labels[:, 1:]
-    token_logps = -F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
-    return (token_logps * (targets != IGNORE_INDEX)).sum(-1)
+def sequence_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """log p(answer | prompt) of each row: the log-probs of its target tokens (labels != -100), summed. With
+    `chunk_tokens` (train.loss_chunk_tokens), from the logits of that many positions at a time, as the SFT loss."""
+    return -token_losses(model, {"input_ids": input_ids, "labels": labels}, chunk_tokens).sum(-1)
 
 
 @contextmanager
-def adapters_off(model):
-    """The model without its LoRA: every PEFT tuner layer's switch off, then back as it was.
+def tuner_layers_set(model, attribute: str, value):
+    """Every PEFT tuner layer's `attribute` set to `value`, then back as it was.
 
-    Not PEFT's `disable_adapter()`: that also sets requires_grad off and on, and under FSDP2 the second
-    call lands on the parameters registered at that moment, the unsharded copies mid-step, so the
-    sharded LoRA weights stay frozen (their adapter then saves empty). This flips only the switch that
-    the layers' forward reads."""
+    What the reference forward switches: `_disable_adapters` (the bare base) or `_active_adapter` (the frozen
+    starting adapter). Not PEFT's `disable_adapter()` / `set_adapter()`: those also set requires_grad off and
+    on, and under FSDP2 the second call lands on the parameters registered at that moment, the unsharded
+    copies mid-step, so the sharded LoRA weights stay frozen (their adapter then saves empty). This sets only
+    what the layers' forward reads."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    were = [m._disable_adapters for m in layers]
+    were = [getattr(m, attribute) for m in layers]
     for m in layers:
-        m._disable_adapters = True
+        setattr(m, attribute, value)
     try:
         yield
     finally:
         for m, was in zip(layers, were):
-            m._disable_adapters = was
+            setattr(m, attribute, was)
 
 
-def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The same log-probs from the base model: the PEFT model with its adapter off, without gradients (a
-    model without LoRA layers is its own reference)."""
-    with torch.no_grad(), adapters_off(model):
-        return sequence_logps(model, input_ids, labels)
+def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """The same log-probs from the reference model, without gradients: the starting adapter where the run
+    started from one (model.init_adapter), else the base (the PEFT model with its adapter off; a model
+    without LoRA layers is its own reference)."""
+    has_reference = REFERENCE in getattr(model, "peft_config", {})
+    switch = (tuner_layers_set(model, "_active_adapter", [REFERENCE]) if has_reference
+              else tuner_layers_set(model, "_disable_adapters", True))
+    with torch.no_grad(), switch:
+        return sequence_logps(model, input_ids, labels, chunk_tokens)
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -123,13 +127,13 @@ def metrics_from_sums(sums: torch.Tensor, pairs: float) -> dict[str, float]:
 
 
 def scaled_micro_batch_dpo_loss(model, batch: dict, global_pairs: torch.Tensor, world_size: int, beta: float,
-                                loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+                                loss_type: str = "sigmoid", label_smoothing: float = 0.0, chunk_tokens: int = 0):
     """What one rank backpropagates for one micro-batch of pairs; returns (that loss, its unscaled loss sum,
     its METRICS summed over its pairs). The reference's forward runs first, without gradients."""
     ids, labels = concatenated(batch)
     rows, real = len(batch["chosen_input_ids"]), real_pairs(batch)
-    ref_chosen, ref_rejected = reference_logps(model, ids, labels).split(rows)
-    policy_chosen, policy_rejected = sequence_logps(model, ids, labels).split(rows)
+    ref_chosen, ref_rejected = reference_logps(model, ids, labels, chunk_tokens).split(rows)
+    policy_chosen, policy_rejected = sequence_logps(model, ids, labels, chunk_tokens).split(rows)
     loss_sum = (dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type,
                            label_smoothing) * real).sum()
     sums = metric_sums(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, real)

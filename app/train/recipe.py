@@ -81,13 +81,15 @@ class FinetuneRecipe:
     Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
     With several `source_names` (a data mixture), batches carry each row's records per source, and the share of
-    records each source has given so far is logged as `data_share/<name>`.
+    records each source has given so far is logged as `data_share/<name>`. `init_adapter` (model.init_adapter's
+    weights) is where the adapter starts, and with DPO the reference it is measured against.
     """
 
     def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
                  checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
-                 job_start_time: float | None = None, source_names: tuple[str, ...] = ()):
+                 job_start_time: float | None = None, source_names: tuple[str, ...] = (),
+                 init_adapter: dict[str, torch.Tensor] | None = None):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.run_dir = checkpoints, run_dir
@@ -99,6 +101,7 @@ class FinetuneRecipe:
         self.source_names = source_names if len(source_names) > 1 else ()
         self.objective = objective_for(cfg)
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
+        self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
 
     def setup(self) -> None:
         ctx = self.ctx
@@ -110,7 +113,9 @@ class FinetuneRecipe:
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
                                               build_device_mesh(ctx.device.type, cfg.scaling.mesh),
-                                              cfg.train.seed, ctx.device)
+                                              cfg.train.seed, ctx.device, self.init_adapter,
+                                              reference=self.objective.has_reference and self.init_adapter is not None)
+        self.init_adapter = None  # copied into the shards
         self.startup.reached("model_built")
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,

@@ -125,10 +125,10 @@ def test_one_forward_per_model_and_gradients_reach_only_the_lora_weights():
     assert with_grad == lora and all(model.get_parameter(n).grad.abs().sum() > 0 for n in lora)
 
 
-def _step(model, batch: dict, global_pairs: float, world_size: int) -> tuple[float, dict]:
+def _step(model, batch: dict, global_pairs: float, world_size: int, chunk_tokens: int = 0) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     loss, loss_sum, _ = scaled_micro_batch_dpo_loss(model, batch, torch.tensor(global_pairs, dtype=torch.float64),
-                                                    world_size, BETA)
+                                                    world_size, BETA, chunk_tokens=chunk_tokens)
     loss.backward()
     return loss_sum.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -152,6 +152,23 @@ def test_micro_batches_of_a_step_add_up_to_the_mean_over_its_pairs():
     mean.backward()
     for name, grad in whole.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_logits_give_the_plain_log_probs_loss_and_gradients():
+    """train.loss_chunk_tokens under DPO: the log-probs from 5 positions' logits at a time (never the whole
+    micro-batch's), each sequence's gradient weighted by its own DPO weight in backward."""
+    from app.train.loss import chunkable_head
+
+    model, _ = _tiny_lora()
+    assert chunkable_head(model) is not None  # the chunked path is the one taken
+    batch = _pairs(3)
+    ids, labels = concatenated(batch)
+    torch.testing.assert_close(sequence_logps(model, ids, labels, 5), sequence_logps(model, ids, labels))
+    plain_sum, plain = _step(model, batch, 3, 1)
+    chunked_sum, chunked = _step(model, batch, 3, 1, chunk_tokens=5)
+    assert chunked_sum == pytest.approx(plain_sum, rel=1e-5)
+    for name, grad in plain.items():
+        torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)  # fp32 rounding
 
 
 def _sharded_step(rank: int, world: int, out: str, reshard: bool) -> None:

@@ -204,3 +204,66 @@ def test_dpo_takes_the_same_steps_on_one_and_two_workers_resumes_exactly_and_pre
 
     saved = load_file(tmp_path / "world2" / "whole" / "adapter" / "adapter_model.safetensors")
     assert len(saved) == 4 * 7 * 2 and all(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+
+
+def _sft_then_dpo(rank: int, world: int, embedded: dict, out: str) -> None:
+    """An SFT run; a second SFT run and a DPO run that both start from its adapter (model.init_adapter), read
+    slice by slice (model.load=sharded)."""
+    from app.model.init_adapter import read_adapter_weights
+
+    fp32 = ["model.dtype=float32", "fsdp.param_dtype=float32", "train.eval_on_start=true"]
+    results = {}
+    for name, overrides, start in (
+            ("sft", [*STEPS, "train.max_steps=4", *fp32], None),
+            ("sft_again", [*STEPS, "train.max_steps=1", "model.load=sharded", *fp32], "sft"),
+            ("dpo", _dpo(embedded, "train.max_steps=3", "train.checkpoint_every=3", "model.load=sharded", *fp32),
+             "sft")):
+        cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
+        tracker = RecordingTracker()
+        weights = read_adapter_weights(Path(out) / start / "adapter") if start else None
+        summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, run_dir=RunDir(str(Path(out) / name)),
+                                 init_adapter=weights).train()
+        results[name] = {"summary": summary, "metrics": tracker.metrics}
+    if rank == 0:
+        (Path(out) / "results.json").write_text(json.dumps(results))
+
+
+def test_a_run_starts_from_a_trained_adapter_and_dpo_measures_against_it(embedded, tmp_path):
+    """SFT, then DPO from its adapter: the DPO run's policy and its reference both start as the SFT adapter (step 0:
+    zero margins, a loss of log 2, chosen answers likelier than under a fresh adapter), the reference stays
+    frozen while the policy moves, and the saved adapter is the trained one alone. An SFT run that starts from
+    the adapter evaluates, before its first step, to exactly the eval loss the first run reported at its end."""
+    from safetensors.torch import load_file
+
+    run_ranks(_sft_then_dpo, 2, embedded, str(tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    sft, again, dpo = (results[name]["summary"] for name in ("sft", "sft_again", "dpo"))
+    assert again["initial_eval_loss"] == pytest.approx(sft["final_eval_loss"], rel=1e-5)
+    assert sft["final_eval_loss"] < sft["initial_eval_loss"] - 0.5
+
+    start = results["dpo"]["metrics"]["0"]
+    assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6) and start["eval_rewards/margins"] == 0
+    steps = {int(s): m for s, m in results["dpo"]["metrics"].items() if "train_loss" in m}
+    assert steps[1]["train_loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy's start
+    assert dpo["final_eval_rewards/margins"] > 0 and dpo["final_eval_loss"] < math.log(2)
+
+    fresh = _figures_of_a_fresh_dpo_start(embedded, tmp_path / "fresh")
+    assert start["eval_logps/chosen"] > fresh["eval_logps/chosen"] + 1  # SFT made the right spellings likelier
+    saved, sft_saved = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("dpo", "sft"))
+    assert saved.keys() == sft_saved.keys() and len(saved) == 4 * 7 * 2  # no reference weights exported
+    assert any(not torch.equal(saved[k], sft_saved[k]) for k in saved)  # the policy moved from its start
+
+
+def _fresh_dpo_start(rank: int, world: int, embedded: dict, out: str) -> None:
+    cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *_dpo(
+        embedded, "model.dtype=float32", "fsdp.param_dtype=float32"))
+    recipe = FinetuneRecipe(cfg, ctx, train_pass, eval_pass)
+    recipe.setup()
+    (Path(out) / "fresh.json").write_text(json.dumps(recipe.evaluate()))
+
+
+def _figures_of_a_fresh_dpo_start(embedded: dict, out: Path) -> dict:
+    """The step-0 evaluation of a DPO run with a fresh adapter (the base, as policy and reference)."""
+    out.mkdir()
+    run_ranks(_fresh_dpo_start, 1, embedded, str(out))
+    return json.loads((out / "fresh.json").read_text())

@@ -1,0 +1,101 @@
+"""Starting from a trained adapter (`model.init_adapter`): its weights as the LoRA weights' first values.
+
+The driver finds the adapter (a folder, a run under train.output_dir, or models:/NAME/VERSION), checks
+that it fits the model this run builds, and reads its weights once; every worker then copies its own
+slice of each weight into its shards, after building the model either way (`model.load: full` or
+`sharded`). With `train.objective: dpo` the same weights also fill a second, frozen adapter named
+`reference`: DPO's reference model is the starting adapter, not the bare base.
+
+Keys are mapped between the saved file and the model's parameters by PEFT's own
+`get_peft_model_state_dict`, the function that wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.errors import UserInputError, first_line
+from app.model.sharding import local_region
+
+REFERENCE = "reference"  # the frozen copy of the starting adapter that DPO measures against
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# adapter_config.json's names for what the lora section sets; a different value changes what the weights mean
+_LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
+
+
+def is_adapter_param(name: str) -> bool:
+    """A LoRA weight of any adapter (trained or the frozen reference), not a base weight."""
+    return ".lora_" in name
+
+
+def saved_keys(model: nn.Module, adapter_name: str) -> dict[str, str]:
+    """The key each of `adapter_name`'s parameters has in a saved adapter -> the parameter's name."""
+    from peft.utils import get_peft_model_state_dict
+
+    names = [n for n, _ in model.named_parameters() if is_adapter_param(n) and f".{adapter_name}" in n]
+    tagged = {name: torch.tensor(i) for i, name in enumerate(names)}
+    saved = get_peft_model_state_dict(model, state_dict=tagged, adapter_name=adapter_name, save_embedding_layers=False)
+    return {key: names[int(index)] for key, index in saved.items()}
+
+
+def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / ADAPTER_WEIGHTS))
+
+
+@torch.no_grad()
+def load_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor], adapter_name: str = "default") -> None:
+    """Copy this rank's slice of each saved weight into `adapter_name`'s parameters (sharded or whole)."""
+    for key, name in saved_keys(model, adapter_name).items():
+        local, region = local_region(model.get_parameter(name))
+        if local.numel():
+            local.copy_(weights[key][region].to(local.dtype))
+
+
+def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
+    """Refuse, in one line, an adapter that does not fit this run: another kind than LoRA, other LoRA settings,
+    weights for other modules or shapes (another base, other target modules), pickled weights only."""
+    where = f"model.init_adapter={source}"
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise UserInputError(f"{where} is a {settings['peft_type']} adapter; only LoRA adapters can start a run")
+    for saved, field in _LORA_FIELDS.items():
+        ours = getattr(lora_cfg, field)
+        if saved in settings and settings[saved] != ours:
+            raise UserInputError(f"{where} was trained with lora.{field}={settings[saved]}, this run has "
+                                 f"lora.{field}={ours}: set lora.{field}={settings[saved]}")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise UserInputError(f"{where}: no {ADAPTER_WEIGHTS} in {folder} (pickled adapter_model.bin weights are "
+                             "not loaded); save the adapter with safe_serialization")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+            found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:
+        raise UserInputError(f"{where}: cannot read {folder / ADAPTER_WEIGHTS} ({first_line(e)})") from None
+    expected = expected_shapes(model_cfg, lora_cfg)
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        what = f"has no weight for {missing[0]}" if missing else f"has a weight this model lacks: {extra[0]}"
+        adapted = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in found})
+        raise UserInputError(f"{where} {what} ({len(missing)} missing, {len(extra)} unknown): it was trained on "
+                             f"another base or other lora.target_modules (it adapts {adapted}); use the same "
+                             "model.path and lora.target_modules")
+    for key, shape in expected.items():
+        if found[key] != shape:
+            raise UserInputError(f"{where}: {key} is {list(found[key])}, this model needs {list(shape)}: it was "
+                                 "trained on another base")
+
+
+def expected_shapes(model_cfg, lora_cfg) -> dict[str, tuple[int, ...]]:
+    """Saved key -> shape of every weight this run's adapter has, from a weightless (meta) copy of the model."""
+    from app.model.sharded_loading import build_meta_lora_model
+
+    model = build_meta_lora_model(model_cfg.model_copy(update={"gradient_checkpointing": False}), lora_cfg, seed=0)
+    return {key: tuple(model.get_parameter(name).shape) for key, name in saved_keys(model, "default").items()}

@@ -45,7 +45,9 @@ export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
   --num-cpus="$(( $(nproc) + 2 ))" --disable-usage-stats >"$STACK_DIR/ray-start.log" 2>&1 \
   || { echo "Ray did not start: $STACK_DIR/ray-start.log" >&2; exit 1; }
 
-"$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" \
+# One request worker (uvicorn's default is 4 processes, ~230 MB each) and no job runner (MLflow 3 starts
+# five more processes for GenAI jobs this product never submits): a laptop's stack, one user.
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
   --backend-store-uri "sqlite:///$STACK_DIR/mlflow.db" \
   --artifacts-destination "$STACK_DIR/mlartifacts" --serve-artifacts \
   >"$STACK_DIR/mlflow.log" 2>&1 &

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from app.config.schema import FinetuneConfig, load_config
@@ -40,6 +44,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_mlflow_server(root: Path, **popen) -> tuple[subprocess.Popen, str]:
+    """A real `mlflow server` on loopback over a sqlite store under `root`, started as cluster/local-up.sh starts
+    one (one request worker, MLflow's job runner off), and its URI once it answers."""
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
+        env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
+    uri = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            return server, uri
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("mlflow server did not start")
 
 
 def run_ranks(fn, world: int, *args) -> None:

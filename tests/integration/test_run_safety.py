@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from app.launch.driver import run_finetune
-from tests.helpers import EMBEDDED_CONFIG, NO_DECODING, REPO, free_port, make_config
+from tests.helpers import EMBEDDED_CONFIG, NO_DECODING, REPO, free_port, make_config, start_mlflow_server
 
 pytestmark = pytest.mark.e2e
 QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4", "train.log_every=1",
@@ -28,19 +27,7 @@ QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4"
 
 
 def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-                               "--port", str(port), "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                               "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            return server, uri
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("mlflow server did not start")
+    return start_mlflow_server(root, start_new_session=True)  # its own process group: killed as one
 
 
 def job_command(embedded, out: Path | str, *overrides: str) -> list[str]:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -19,24 +16,12 @@ from app.data.sources import resolve_source
 from app.runs.layout import JOURNAL, RunDir
 from app.tracking import mlflow_run as tracking
 from app.tracking.logger import RunLogger
-from tests.helpers import free_port, make_config
+from tests.helpers import make_config, start_mlflow_server
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
-         "--serve-artifacts"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    uri = f"http://127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
+    server, uri = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"))
     MlflowClient(uri).create_experiment("outage")  # the first store request is slow: made here, with default timeouts
     yield uri, psutil.Process(server.pid)
     for proc in [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]:

@@ -3,6 +3,7 @@ command line reports one."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 
@@ -21,7 +22,13 @@ def exit_code(command: Callable[[], int]) -> int:
         return 2
 
 
+# what a URL in an error message may carry that must not reach a log: `user:password@`, and a query string
+# (a presigned URL's signature and session token)
+_URL_SECRETS = re.compile(r"(?<=://)[^/\s@]+@|(?<=[\w/])\?[^\s'\"=]*=[^\s'\"]*")
+
+
 def first_line(error: BaseException) -> str:
-    """An exception's message cut to one line, for the `(...)` of a UserInputError; its type if it has none."""
+    """An exception's message cut to one line, without URL credentials or query strings, for the `(...)` of a
+    UserInputError; its type if it has none."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return _URL_SECRETS.sub("", text.splitlines()[0]) if text else type(error).__name__

@@ -53,10 +53,10 @@ def input_path(path: str | None) -> str | None:
     return str(p.resolve())
 
 
-def existing_path(path: str | None) -> str | None:
-    """A path that exists here made absolute; anything else (a run name, a URI) as it is."""
-    return str(Path(path).expanduser().resolve()) if path and "://" not in path and Path(path).expanduser().exists() \
-        else path
+def adapter_source(source: str | None) -> str | None:
+    """model.init_adapter: an adapter folder here made absolute; anything else (a run name, models:/) as it is."""
+    folder = Path(source).expanduser() if source and ":/" not in source else None
+    return str(folder.resolve()) if folder and (folder / "adapter_config.json").is_file() else source
 
 
 def output_dir(path: str) -> str:

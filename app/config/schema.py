@@ -388,7 +388,7 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     pairs = cfg.train.objective == "dpo"  # preference records, one pair per row
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path),
-                                              "init_adapter": paths.existing_path(cfg.model.init_adapter)}),
+                                              "init_adapter": paths.adapter_source(cfg.model.init_adapter)}),
         "data": cfg.data.model_copy(update={
             "train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
                            else [paths.input_path(p) for p in cfg.data.train_path]),

@@ -25,20 +25,26 @@ REFERENCE = "reference"  # the frozen copy of the starting adapter that DPO meas
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # adapter_config.json's names for what the lora section sets; a different value changes what the weights mean
 _LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
+# settings the lora section has no key for, and the values that leave the weights meaning what they do here
+_PLAIN_LORA = {"alpha_pattern": (None, {}), "rank_pattern": (None, {}), "modules_to_save": (None, []),
+               "bias": (None, "none"), "lora_bias": (None, False), "layer_replication": (None,),
+               "init_lora_weights": (None, True, False, "gaussian", "eva", "orthogonal")}
 
 
-def is_adapter_param(name: str) -> bool:
-    """A LoRA weight of any adapter (trained or the frozen reference), not a base weight."""
-    return ".lora_" in name
+def is_adapter_param(name: str, adapter_name: str) -> bool:
+    """A LoRA weight of `adapter_name` (PEFT names them `<module>.lora_A.<adapter>.weight`, ...), not a base weight."""
+    return ".lora_" in name and f".{adapter_name}." in name
 
 
 def saved_keys(model: nn.Module, adapter_name: str) -> dict[str, str]:
     """The key each of `adapter_name`'s parameters has in a saved adapter -> the parameter's name."""
     from peft.utils import get_peft_model_state_dict
 
-    names = [n for n, _ in model.named_parameters() if is_adapter_param(n) and f".{adapter_name}" in n]
+    names = [n for n, _ in model.named_parameters() if is_adapter_param(n, adapter_name)]
     tagged = {name: torch.tensor(i) for i, name in enumerate(names)}
     saved = get_peft_model_state_dict(model, state_dict=tagged, adapter_name=adapter_name, save_embedding_layers=False)
+    if len(saved) != len(names):  # a weight left unmapped would keep uninitialised memory
+        raise RuntimeError(f"PEFT maps {len(saved)} of adapter {adapter_name}'s {len(names)} weights to saved keys")
     return {key: names[int(index)] for key, index in saved.items()}
 
 
@@ -61,7 +67,13 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
     """Refuse, in one line, an adapter that does not fit this run: another kind than LoRA, other LoRA settings,
     weights for other modules or shapes (another base, other target modules), pickled weights only."""
     where = f"model.init_adapter={source}"
-    settings = json.loads((folder / "adapter_config.json").read_text())
+    try:
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        if not isinstance(settings, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"{where}: {folder / 'adapter_config.json'} is not a PEFT adapter config "
+                             f"({first_line(e)})") from None
     if settings.get("peft_type", "LORA") != "LORA":
         raise UserInputError(f"{where} is a {settings['peft_type']} adapter; only LoRA adapters can start a run")
     for saved, field in _LORA_FIELDS.items():
@@ -69,6 +81,11 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
         if saved in settings and settings[saved] != ours:
             raise UserInputError(f"{where} was trained with lora.{field}={settings[saved]}, this run has "
                                  f"lora.{field}={ours}: set lora.{field}={settings[saved]}")
+    for saved, plain in _PLAIN_LORA.items():
+        if settings.get(saved) not in plain:
+            raise UserInputError(f"{where} has {saved}={settings[saved]!r} in its adapter_config.json; only adapters "
+                                 "with the lora section's settings alone (no per-module patterns, extra trained "
+                                 "modules, biases or base-rewriting initialisations) can start a run")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise UserInputError(f"{where}: no {ADAPTER_WEIGHTS} in {folder} (pickled adapter_model.bin weights are "
                              "not loaded); save the adapter with safe_serialization")
@@ -76,7 +93,8 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
 
     try:
         with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
-            found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            # full base embeddings a PEFT save adds beside an adapted embedding are not adapter weights
+            found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys() if ".base_layer." not in key}
     except Exception as e:
         raise UserInputError(f"{where}: cannot read {folder / ADAPTER_WEIGHTS} ({first_line(e)})") from None
     expected = expected_shapes(model_cfg, lora_cfg)

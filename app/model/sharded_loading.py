@@ -43,6 +43,8 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
         model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference), mesh, fsdp_cfg,
                             model_cfg.compile)
         materialize_sharded(model, model_cfg, seed, device)
+    if reference and init_adapter is None:
+        raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
     if init_adapter is not None:
         for adapter_name in ("default", REFERENCE) if reference else ("default",):
             load_adapter_weights(model, init_adapter, adapter_name)
@@ -179,7 +181,7 @@ class SliceReader:
 def load_base_shards(model: nn.Module, reader: SliceReader) -> None:
     """Copy each frozen base weight's local rows out of the checkpoint."""
     for name, param in model.named_parameters():
-        if param.requires_grad or is_adapter_param(name):  # a frozen reference adapter is no base weight
+        if param.requires_grad or is_adapter_param(name, REFERENCE):  # a frozen reference adapter is no base weight
             continue
         local, region = local_region(param)
         if local.numel():

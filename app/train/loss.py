@@ -68,8 +68,8 @@ def token_losses(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
     hidden = _head_input(model, head, inputs, softcap) if head is not None else None
     if hidden is None:
         logits = model(**inputs).logits
-        return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
-                               reduction="none")
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(labels.shape)
     return ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels.flatten(), chunk_tokens,
                                            softcap).view(labels.shape)
 

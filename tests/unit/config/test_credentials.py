@@ -42,3 +42,12 @@ def test_credentials_written_into_a_config_are_refused_in_one_line(no_credential
         assert "mlflow.tracking_uri holds a user or password" in str(e.value) and "MLFLOW_TRACKING_URI" in str(e.value)
         assert PASSWORD not in str(e.value) and "\n" not in str(e.value)
     assert not any(variable in os.environ for variable in CREDENTIAL_VARIABLES)
+
+
+def test_an_error_line_quoting_a_url_keeps_neither_its_password_nor_a_presigned_query():
+    from app.errors import first_line
+
+    line = first_line(OSError(f"403 Forbidden for https://ray:{PASSWORD}@store:5000/a/adapter_model.safetensors"
+                              f"?X-Amz-Signature={PASSWORD}&X-Amz-Security-Token={PASSWORD}\nand more"))
+    assert PASSWORD not in line and line == "403 Forbidden for https://store:5000/a/adapter_model.safetensors"
+    assert first_line(OSError("is it up? (host?)")) == "is it up? (host?)"  # questions stay

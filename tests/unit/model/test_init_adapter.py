@@ -2,6 +2,8 @@
 builds (one line naming what differs and the fix), its weights read. Training from it:
 tests/unit/train/test_recipe.py."""
 
+import re
+
 import pytest
 import torch
 
@@ -34,10 +36,12 @@ def test_an_adapter_folder_or_a_run_name_is_read_with_every_weight(embedded, tmp
     ({"lora_alpha": 16}, [], "was trained with lora.alpha=16, this run has lora.alpha=32.0: set lora.alpha=16"),
     ({"target_modules": ["q_proj", "v_proj"]}, [], "has no weight for base_model.model.model.layers.0.mlp"),
     ({}, ["lora.target_modules=[q_proj]"], "has a weight this model lacks"),
+    ({"alpha_pattern": {"q_proj": 64}}, [], "has alpha_pattern={'q_proj': 64} in its adapter_config.json"),
+    ({"modules_to_save": ["lm_head"]}, [], "has modules_to_save="),
 ])
 def test_an_adapter_with_other_lora_settings_is_refused_naming_the_key(embedded, tmp_path, lora, overrides, message):
     folder = _saved_adapter(embedded["model"], tmp_path / "adapter", **lora)
-    with pytest.raises(UserInputError, match="^model.init_adapter=.*" + message.replace(".", r"\.")):
+    with pytest.raises(UserInputError, match="^model.init_adapter=.*" + re.escape(message)):
         read_init_adapter(make_config(tmp_path, embedded, f"model.init_adapter={folder}", *overrides))
 
 

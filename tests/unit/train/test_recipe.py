@@ -224,6 +224,7 @@ def _sft_then_dpo(rank: int, world: int, embedded: dict, out: str) -> None:
         summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, run_dir=RunDir(str(Path(out) / name)),
                                  init_adapter=weights).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics}
+        torch.distributed.barrier()  # rank 0 writes the adapter after the run's last collective
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
 

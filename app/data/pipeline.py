@@ -147,7 +147,7 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
     return TrainData(token_rows, plan, dropped, pad_id, malformed, int(truncated)), held_out
 
 
-def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[ray.data.Dataset, int]:
+def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[dict[str, np.ndarray], int]:
     """(eval token rows, how many were dropped for having no target): tokenized here in the driver, which
     holds the tokenizer already; starting a tokenizing actor for a few hundred rows costs more."""
     eval_ds = sources[0] if len(sources) == 1 else sources[0].union(*sources[1:])
@@ -160,4 +160,4 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
         raise UserInputError(f"{where}: no eval record left with a target token within data.max_seq_len="
                              f"{data.max_seq_len} ({len(records)} read); give more or longer-allowed eval data")
     model_inputs = {k: v[keep] for k, v in rows.items() if k.endswith(("input_ids", "labels"))}  # pairs: both sides
-    return rows_dataset(model_inputs), int((~keep).sum())
+    return model_inputs, int((~keep).sum())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from app.data.formatting import IGNORE_INDEX
@@ -69,8 +70,23 @@ def without_targets(batch: dict) -> dict:
             torch.full_like(v, IGNORE_INDEX) if k.endswith("labels") else torch.zeros_like(v) for k, v in row.items()}
 
 
+def column_batches(columns: dict, batch_size: int, device: torch.device) -> Iterator[dict]:
+    """Rows held as columns (name -> array, a row per index) in batches of `batch_size`, on `device`."""
+    count = len(next(iter(columns.values())))
+    for start in range(0, count, batch_size):
+        yield to_device({k: v[start:start + batch_size] for k, v in columns.items()}, device)
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """The model's inputs on `device`; the bookkeeping columns (each row's real tokens and records per
     source) stay on the host."""
-    return {k: torch.as_tensor(v).to(device, non_blocking=True) if k.endswith(MODEL_INPUTS) else torch.as_tensor(v)
+    return {k: _tensor(v).to(device, non_blocking=True) if k.endswith(MODEL_INPUTS) else _tensor(v)
             for k, v in batch.items()}
+
+
+def _tensor(values) -> torch.Tensor:
+    """A tensor of a batch column; a read-only array (a view of Ray's object store) is copied, which torch
+    would otherwise wrap with a warning in every worker's log."""
+    if isinstance(values, np.ndarray) and not values.flags.writeable:
+        values = values.copy()
+    return torch.as_tensor(values)

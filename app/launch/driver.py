@@ -17,7 +17,7 @@ import time
 
 import ray
 import ray.train
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id
@@ -119,7 +119,7 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
     }
 
 
-def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, ray.data.Dataset, dict[str, float]]:
+def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, dict, dict[str, float]]:
     """Token rows of every train source, the eval rows, and what was dropped: rows that truncation to
     data.max_seq_len left without a target token are not trained on (a NaN-loss step otherwise)."""
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
@@ -143,11 +143,11 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, r
     return train, eval_rows, stats
 
 
-def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.data.Dataset, run_id: str,
+def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: dict, run_id: str,
                   job_start_time: float, init_adapter: dict | None = None, verbose: bool = False) -> TorchTrainer:
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, train.plan.names, credentials,
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, ray.put(eval_rows), train.plan.names, credentials,
                           ray.put(init_adapter) if init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
@@ -162,8 +162,6 @@ def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: ray.
             worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
         torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),
-        datasets={"eval": eval_rows},  # not split: every rank scores the whole eval set
-        dataset_config=DataConfig(datasets_to_split=[]),
     )
 
 

@@ -16,6 +16,7 @@ import ray.train.torch
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import shard_batches
+from app.data.stream import column_batches
 from app.train.checkpoint import TrainerState
 from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe, NoTracking
@@ -65,6 +66,7 @@ class WorkerLaunch:
     mlflow_run_id: str
     job_start_time: float
     passes: ray.actor.ActorHandle
+    eval_rows: ray.ObjectRef  # the eval token rows (column -> array), read whole by every rank
     source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
     # MLflow credentials the driver took from a tracking URI (they never travel in the config); shipped
     # with the training function, never in a runtime env, job metadata or log
@@ -76,14 +78,14 @@ def train_worker(launch: WorkerLaunch) -> None:
     cfg = launch.config
     context = ray.train.get_context()
     ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
-    eval_rows = ray.train.get_dataset_shard("eval")  # not split: every rank sees the whole eval set
+    eval_rows = ray.get(launch.eval_rows)  # every rank holds the whole eval set (evaluation deals it out)
 
     def train_pass(epoch: int):
         [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
         return shard_batches(ray.get(rows), cfg.train.micro_batch_size)
 
     def eval_pass():
-        return eval_rows.iter_torch_batches(batch_size=cfg.train.micro_batch_size)
+        return column_batches(eval_rows, cfg.train.micro_batch_size, ctx.device)
 
     export_tracking_credentials()  # the config holds the URI without them
     for variable, value in launch.mlflow_credentials.items():

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from app.config.schema import DataSection
 from app.data.packing import pack_rows, unpacked_rows
 from app.data.passes import PassPlan, deal, pass_records, take_rows
-from app.data.pipeline import TrainData
 from app.errors import UserInputError
+
+if TYPE_CHECKING:  # the actor's process imports this module: it stays free of torch, pydantic and the pipeline
+    from app.config.schema import DataSection
+    from app.data.pipeline import TrainData
 
 
 def shard_batches(table: pa.Table, batch_size: int):

@@ -67,7 +67,10 @@ def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
             mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
         folder = adapter_folder(source, cfg.train.output_dir)
         trained_on = base_of(folder, source)
-    except Exception as e:  # no such folder or run, a registry that does not answer or lacks the version
+    except ValueError as e:  # neither a folder, a run nor a registered version: it says where it looked
+        raise UserInputError(f"model.init_adapter={source}: {first_line(e).removeprefix(f'adapter {source}: ')}") \
+            from None
+    except Exception as e:  # a registry that does not answer or lacks the version
         raise UserInputError(f"model.init_adapter={source}: {first_line(e)}; give an adapter folder, a run name "
                              f"under train.output_dir={cfg.train.output_dir}, or models:/NAME/VERSION") from None
     check_init_adapter(source, folder, cfg.model, cfg.lora)

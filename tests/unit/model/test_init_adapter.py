@@ -60,6 +60,6 @@ def test_an_adapter_of_another_base_or_nowhere_is_refused_in_one_line(embedded, 
     with pytest.raises(UserInputError, match=r"q_proj.lora_A.weight is \[16, \d+\], this model needs \[16, \d+\]: "
                                              "it was trained on another base"):
         read_init_adapter(make_config(tmp_path, embedded, f"model.init_adapter={folder}"))
-    with pytest.raises(UserInputError, match="model.init_adapter=no-such-run: .* give an adapter folder, a run name "
-                                             "under train.output_dir="):
+    with pytest.raises(UserInputError, match="^model.init_adapter=no-such-run: neither an adapter folder, a run under "
+                                             ".*outputs, nor models:/NAME/VERSION$"):
         read_init_adapter(make_config(tmp_path, embedded, "model.init_adapter=no-such-run"))

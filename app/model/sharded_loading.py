@@ -36,6 +36,8 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
     """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says; its adapter starts from the seed,
     or from `init_adapter` (a saved adapter's weights: app.model.init_adapter). With `reference` (DPO from a
     starting adapter), a frozen copy of `init_adapter` as a second adapter."""
+    if reference and init_adapter is None:
+        raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
     if model_cfg.load == "full":
         model = shard_model(build_lora_model(model_cfg, lora_cfg, seed, device, reference), mesh, fsdp_cfg,
                             model_cfg.compile)
@@ -43,8 +45,6 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
         model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference), mesh, fsdp_cfg,
                             model_cfg.compile)
         materialize_sharded(model, model_cfg, seed, device)
-    if reference and init_adapter is None:
-        raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
     if init_adapter is not None:
         for adapter_name in ("default", REFERENCE) if reference else ("default",):
             load_adapter_weights(model, init_adapter, adapter_name)

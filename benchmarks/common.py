@@ -39,6 +39,7 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
     flags += ["--cpu-offload"] if cfg.fsdp.cpu_offload else []
     flags += ["--compile"] if cfg.model.compile else []
+    flags += ["--quantization", cfg.model.quantization] if cfg.model.quantization != "none" else []
     flags += ["--attn-implementation", cfg.model.attn_implementation] if cfg.model.attn_implementation else []
     flags += ["--mesh", *map(str, cfg.scaling.mesh)] if cfg.scaling.mesh else []
     return flags

@@ -13,7 +13,8 @@ What it measures and checks:
   installed; compile with activation checkpointing, beside eager with and without checkpointing
   (tokens/s, peak memory: checkpointing kept shows as the compiled peak near the checkpointed one);
 - the 8B shape (benchmarks/shapes/llama31_8b.json, random weights) at seq 2048: tokens/s, MFU counted
-  with LoRA's FLOPs (benchmarks/step.py: flops_per_token), peak memory; then with fsdp.cpu_offload.
+  with LoRA's FLOPs (benchmarks/step.py: flops_per_token), peak memory; over an NF4 base (QLoRA, where
+  torchao is installed); then with fsdp.cpu_offload.
 
 Exit status 1 when a check fails (a packed row that is not isolated, a step that fails or whose loss is
 not finite). `--smoke` runs the same sequence on the CPU with tiny shapes (gloo; no 8B, no flash): it is
@@ -50,12 +51,17 @@ def flash_attn_version() -> str | None:
     return importlib.metadata.version("flash_attn") if importlib.util.find_spec("flash_attn") else None
 
 
+def has_torchao() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
 def step_runs(smoke: bool, shape_dir: Path) -> list[tuple[str, int, list[str]]]:
     """(name, time limit in seconds, benchmarks/step.py flags) of each step measured, in order."""
     if smoke:
         tiny = ["--model-config", str(shape_dir / "config.json"), "--seq-len", "64", "--micro-batch", "2",
                 "--steps", "3", "--warmup", "1", "--pack", "4", "--param-dtype", "float32", "--dtype", "float32"]
-        return [("small_sdpa_packed", 120, tiny), ("small_sdpa_packed_compiled", 240, [*tiny, "--compile"])]
+        return [("small_sdpa_packed", 120, tiny), ("small_sdpa_packed_compiled", 240, [*tiny, "--compile"]),
+                *([("small_nf4_packed", 120, [*tiny, "--quantization", "nf4"])] if has_torchao() else [])]
     small = ["--model-config", str(SHAPES / "bench_125m.json"), "--seq-len", "2048", "--micro-batch", "4",
              "--steps", "10", "--warmup", "3", "--pack", "4"]
     eight_b = ["--model-config", str(SHAPES / "llama31_8b.json"), "--seq-len", "2048", "--micro-batch", "1"]
@@ -64,8 +70,10 @@ def step_runs(smoke: bool, shape_dir: Path) -> list[tuple[str, int, list[str]]]:
             ("125m_sdpa_packed_compiled", 150, [*small, "--compile"])]
     if flash_attn_version():
         runs.append(("125m_flash_varlen_packed", 90, [*small, "--attn-implementation", "flash_attention_2"]))
-    return [*runs, ("8b_seq2048", 150, [*eight_b, "--steps", "8", "--warmup", "3"]),
-            ("8b_seq2048_cpu_offload", 180, [*eight_b, "--steps", "4", "--warmup", "1", "--cpu-offload"])]
+    runs.append(("8b_seq2048", 150, [*eight_b, "--steps", "8", "--warmup", "3"]))
+    if has_torchao():  # QLoRA: the 8B shape over an NF4 base (model.quantization=nf4)
+        runs.append(("8b_seq2048_nf4", 150, [*eight_b, "--steps", "8", "--warmup", "3", "--quantization", "nf4"]))
+    return [*runs, ("8b_seq2048_cpu_offload", 180, [*eight_b, "--steps", "4", "--warmup", "1", "--cpu-offload"])]
 
 
 def run_step(flags: list[str], limit: int) -> dict:

@@ -30,12 +30,13 @@ OPTIONS = {  # name -> config overrides (and so benchmarks/step.py flags)
     "cpu offload (GPU only)": ["fsdp.cpu_offload=true", "scaling.use_gpu=true"],
     "hsdp [2 replicas x 1]": ["scaling.mesh=[2,1]"],
     "1 worker": ["scaling.num_workers=1"],
+    "nf4 base (QLoRA)": ["model.quantization=nf4"],
 }
 
 
-def memory(model_config: str, only: list[str] | None, out: Path) -> dict:
+def memory(model_config: str, only: list[str] | None, out: Path, steps: int = 3, seq_len: int = 512) -> dict:
     model_dir = random_checkpoint(model_config, out)
-    base = [f"model.path={model_dir}", "model.load=sharded", "fsdp.param_dtype=float32", "data.max_seq_len=512",
+    base = [f"model.path={model_dir}", "model.load=sharded", "fsdp.param_dtype=float32", f"data.max_seq_len={seq_len}",
             "train.micro_batch_size=2", "train.global_batch_size=4", "scaling.num_workers=2"]
     rows = []
     for name, overrides in OPTIONS.items():
@@ -48,7 +49,7 @@ def memory(model_config: str, only: list[str] | None, out: Path) -> dict:
         plan = plan_memory(cfg)
         state = plan.device | plan.host
         measured = torchrun(cfg.scaling.num_workers, "benchmarks.step", "--model-path", str(model_dir),
-                            "--load", "sharded", "--steps", "3", "--warmup", "1", *step_flags(cfg))
+                            "--load", "sharded", "--steps", str(steps), "--warmup", "1", *step_flags(cfg))
         row = {"option": name,
                "params_predicted_mb": state["parameters (sharded, stored dtype)"] / 2**20,
                "params_measured_mb": measured["param_bytes_per_worker"] / 2**20,
@@ -57,7 +58,8 @@ def memory(model_config: str, only: list[str] | None, out: Path) -> dict:
                "peak_predicted_gb": (plan.device_total + sum(plan.host.values())) / 2**30,
                "peak_measured_gb": max(measured["peak_anon_rss_loading_gb"], measured["peak_anon_rss_training_gb"])
                - measured["rss_before_load_gb"],
-               "step_seconds": measured["step_seconds_mean_steady"]}
+               "step_seconds": measured["step_seconds_mean_steady"],
+               f"loss_after_{steps}_steps": measured["last_micro_batch_loss"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"model_config": model_config, "rows": rows}
@@ -69,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n")[0])
     parser.add_argument("--model-config", default=str(SHAPES / "bench_125m.json"))
     parser.add_argument("--only", nargs="+", help="run only these options (names as printed)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per option (the first is warm-up)")
+    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    memory(args.model_config, args.only, Path(args.out))
+    memory(args.model_config, args.only, Path(args.out), args.steps, args.seq_len)
     return 0
 
 

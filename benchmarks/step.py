@@ -20,6 +20,7 @@ import os
 import statistics
 import threading
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -27,13 +28,20 @@ import torch.distributed as dist
 
 from app.data.formatting import IGNORE_INDEX
 from app.model.hardware import has_fast_bf16, resolve_dtype
+from app.model.quantization import is_nf4, quantize_layer, stored_bytes
 from app.model.sharded_loading import (
     allocate_local_shards,
     build_meta_lora_model,
     build_sharded_lora_model,
     local_region,
 )
-from app.model.sharding import build_device_mesh, init_torchrun_process_group, shard_model, trainable_parameters
+from app.model.sharding import (
+    build_device_mesh,
+    init_torchrun_process_group,
+    shard_group_size,
+    shard_model,
+    trainable_parameters,
+)
 from app.train.loss import scaled_micro_batch_loss
 from app.train.progress import peak_memory_gb
 
@@ -57,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--quantization", choices=["none", "nf4"], default="none", help="model.quantization")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (model.compile)")
     p.add_argument("--attn-implementation", help="model.attn_implementation, e.g. flash_attention_2")
     p.add_argument("--mesh", type=int, nargs=2, metavar=("REPLICAS", "SHARD"))
@@ -98,7 +107,7 @@ def build(args, device: torch.device):
     model_cfg = SimpleNamespace(path=args.model_path or os.path.dirname(os.path.abspath(args.model_config)),
                                 revision=None, trust_remote_code=False, dtype=args.dtype, load=args.load,
                                 gradient_checkpointing=not args.no_activation_checkpointing, compile=args.compile,
-                                attn_implementation=args.attn_implementation)
+                                attn_implementation=args.attn_implementation, quantization=args.quantization)
     lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear",
                                use_dora=False, use_rslora=False)
     fsdp_cfg = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype="float32", cpu_offload=args.cpu_offload,
@@ -106,8 +115,10 @@ def build(args, device: torch.device):
     mesh = build_device_mesh(device.type, args.mesh)
     if args.model_path:
         return build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, 0, device)
+    random_nf4 = partial(quantize_layer, shards=shard_group_size(mesh), full_weight=lambda linear: torch.empty_like(
+        linear.weight, device=device).normal_(0.0, 0.02))
     model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, 0, config_file=args.model_config), mesh, fsdp_cfg,
-                        args.compile)
+                        args.compile, random_nf4 if args.quantization == "nf4" else None)
     init_random(model, device)
     return model
 
@@ -117,6 +128,8 @@ def init_random(model, device: torch.device) -> None:
     """Random weights for a shape-only benchmark: the numbers do not matter, the memory and time do."""
     allocate_local_shards(model, device)
     for name, param in model.named_parameters():
+        if is_nf4(param):  # quantized from random weights as its layer was sharded
+            continue
         local, _ = local_region(param)
         local.zero_() if "lora_B" in name else local.normal_(0.0, 0.02)
 
@@ -141,7 +154,7 @@ def main(argv=None) -> None:
               "rss_before_load_gb": rss_before_load, "peak_anon_rss_loading_gb": loading.peak,
               "peak_rss_after_load_gb": peak_memory_gb(torch.device("cpu")),
               "load_seconds": load_seconds,
-              "param_bytes_per_worker": sum(local_region(p)[0].numel() * p.element_size() for p in model.parameters())}
+              "param_bytes_per_worker": sum(stored_bytes(p) for p in model.parameters())}
     if args.steps:
         with PeakSampler() as training:
             result |= train(model, args, device, world, t_start)

@@ -49,6 +49,10 @@ class ModelSection(_Section):
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
                                              "reads only its shard (host memory per worker ~ 1/N of the model)")
+    quantization: Literal["none", "nf4"] = Field("none", description="nf4 (QLoRA): the decoder layers' frozen "
+                                                 "linear weights stored as 4-bit NormalFloat with double-quantized "
+                                                 "scales, sharded and all-gathered as 4-bit bytes; embeddings, norms "
+                                                 "and the LM head stay in model.dtype, LoRA in fp32")
     init_adapter: str | None = Field(None, description="a trained LoRA adapter to start from instead of a fresh "
                                      "one: an adapter folder, a run name under train.output_dir, or "
                                      "models:/NAME/VERSION; its LoRA settings must be the lora section's. With "
@@ -264,6 +268,11 @@ class FinetuneConfig(_Section):
                              f"{len(self.data.train_paths)} sources in data.train_path")
         if problem := objective_data_problem(self.train.objective, self.data):
             raise ValueError(problem)
+        if self.model.quantization == "nf4" and (self.lora.use_dora or self.model.compile):
+            key = "lora.use_dora" if self.lora.use_dora else "model.compile"
+            raise ValueError(f"{key}=true with model.quantization=nf4: not supported over a 4-bit base (DoRA "
+                             "needs the dequantized weight's row norms; compiled NF4 layers are untried); turn "
+                             "one of them off")
         mesh = self.scaling.mesh
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "

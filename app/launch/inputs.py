@@ -43,6 +43,8 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
     train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     check_lora_targets(cfg.model, cfg.lora)
+    if cfg.model.quantization == "nf4":
+        check_nf4_shapes(cfg)
     if cfg.data.packing:
         check_packing(cfg.model)
     for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
@@ -78,6 +80,20 @@ def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
         print(f"warning: model.init_adapter={source} was trained on {trained_on}; this run's base is "
               f"{cfg.model.path} (the shapes agree)", file=sys.stderr, flush=True)
     return read_adapter_weights(folder)
+
+
+def check_nf4_shapes(cfg: FinetuneConfig) -> None:
+    """model.quantization=nf4 splits each quantized weight's rows over the ranks of a shard group in whole
+    NF4 blocks: checked on a weightless copy of the model before any worker starts."""
+    from app.model.quantization import quantization_problem
+    from app.model.sharded_loading import build_meta_base_model
+    from app.model.sharding import decoder_layers
+
+    base = build_meta_base_model(cfg.model)
+    shards = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
+    if problem := quantization_problem(base, decoder_layers(base), shards):
+        raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh shard "
+                             "size) that divides it, or model.quantization=none")
 
 
 def check_packing(model: ModelSection) -> None:

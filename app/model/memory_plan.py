@@ -16,6 +16,7 @@ import torch
 
 from app.config.schema import FinetuneConfig
 from app.model.hardware import has_fast_bf16
+from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 
 GiB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -53,18 +54,30 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     shard = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
     stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]
     layers = decoder_layers(model)
+    quantized = nf4_params(layers) if cfg.model.quantization == "nf4" else [0]
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     root_params = base + lora - sum(p.numel() for layer in layers for p in layer.parameters())
     plan = MemoryPlan(cfg.scaling.num_workers, shard, base, lora)
 
-    state = {"parameters (sharded, stored dtype)": (base * stored + lora * 4) / shard,
+    base_bytes = (base - sum(quantized)) * stored + sum(quantized) * NF4_BYTES_PER_PARAM
+    state = {"parameters (sharded, stored dtype)": (base_bytes + lora * 4) / shard,  # NF4 bytes where quantized
              "LoRA gradients (sharded, fp32)": lora * 4 / shard,
              "AdamW state (sharded, 2 x fp32)": 2 * lora * 4 / shard}
     (plan.host if cfg.fsdp.cpu_offload else plan.device).update(state)
     gathered_layers = 2 if cfg.fsdp.reshard_after_forward else len(layers)
-    plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_params + root_params) * compute
+    # NF4 weights are gathered as 4-bit codes and dequantized one linear layer at a time as it runs
+    layer_bytes = (layer_params - max(quantized)) * compute + max(quantized) * NF4_BYTES_PER_PARAM
+    dequantized = max(quantized) and max(linear.weight.numel() for layer in layers
+                                         for linear in quantizable_linears(layer).values()) * compute
+    plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_bytes + root_params * compute
+                                                              + dequantized)
     plan.device["activations (estimate)"] = activation_bytes(model.config, cfg, compute, len(layers))
     return plan
+
+
+def nf4_params(layers) -> list[int]:
+    """Per decoder layer, how many of its parameters model.quantization=nf4 stores as NF4."""
+    return [sum(linear.weight.numel() for linear in quantizable_linears(layer).values()) for layer in layers]
 
 
 def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int) -> float:

@@ -16,6 +16,7 @@ experts) is found in the driver by `sharded_loading_problem`, and the job then l
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ from app.model.build import apply_lora, build_lora_model, enable_activation_chec
 from app.model.hardware import torch_dtype
 from app.model.init_adapter import REFERENCE, is_adapter_param, load_adapter_weights
 from app.model.lora_init import base_param_name, init_lora_weights
-from app.model.sharding import local_region, shard_model
+from app.model.quantization import is_nf4, quantize_layer
+from app.model.sharding import local_region, shard_group_size, shard_model
 
 CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safetensors file, key in it)
 
@@ -38,13 +40,18 @@ def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, dev
     starting adapter), a frozen copy of `init_adapter` as a second adapter."""
     if reference and init_adapter is None:
         raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
+    nf4, shards = model_cfg.quantization == "nf4", shard_group_size(mesh)
     if model_cfg.load == "full":
-        model = shard_model(build_lora_model(model_cfg, lora_cfg, seed, device, reference), mesh, fsdp_cfg,
-                            model_cfg.compile)
+        model = build_lora_model(model_cfg, lora_cfg, seed, device, reference)
+        quantize = partial(quantize_layer, shards=shards, full_weight=lambda linear: linear.weight)
+        model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
     else:
-        model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference), mesh, fsdp_cfg,
-                            model_cfg.compile)
-        materialize_sharded(model, model_cfg, seed, device)
+        model = build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference)
+        index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
+        with torch.no_grad(), SliceReader(index) as reader:
+            quantize = partial(quantize_layer, shards=shards, full_weight=checkpoint_weight(model, reader, device))
+            model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
+            materialize_sharded(model, reader, seed, device)
     if init_adapter is not None:
         for adapter_name in ("default", REFERENCE) if reference else ("default",):
             load_adapter_weights(model, init_adapter, adapter_name)
@@ -92,20 +99,31 @@ def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | Non
     return model
 
 
-def materialize_sharded(model: nn.Module, model_cfg, seed: int, device: torch.device) -> None:
+def materialize_sharded(model: nn.Module, reader: SliceReader, seed: int, device: torch.device) -> None:
     """After fully_shard: allocate each rank's shards on `device` and fill them."""
-    index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
     allocate_local_shards(model, device)
-    with torch.no_grad(), SliceReader(index) as reader:
-        load_base_shards(model, reader)
-        init_lora_weights(model, seed, reader.rows)
+    load_base_shards(model, reader)
+    init_lora_weights(model, seed, reader.rows)
+
+
+def checkpoint_weight(model: nn.Module, reader: SliceReader, device: torch.device):
+    """`full_weight(linear)` for app.model.quantization.quantize_layer: a meta linear layer's whole weight,
+    read from the checkpoint in the model's dtype."""
+    names = {module: name for name, module in model.named_modules()}
+
+    def full_weight(linear: nn.Linear) -> torch.Tensor:
+        whole = tuple(slice(0, n) for n in linear.weight.shape)
+        return reader.slice(base_param_name(f"{names[linear]}.weight"), whole).to(device, linear.weight.dtype)
+    return full_weight
 
 
 @torch.no_grad()
 def allocate_local_shards(model: nn.Module, device: torch.device) -> None:
-    """Give every parameter (uninitialised) local storage on `device`, keeping the buffers' values."""
+    """Give every parameter still on the meta device (uninitialised) local storage on `device`, keeping the
+    buffers' values (and parameters that have storage already: NF4 weights quantized as their layer was
+    sharded)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     for name, buffer in buffers.items():
         model.get_buffer(name).copy_(buffer)
 
@@ -181,7 +199,7 @@ class SliceReader:
 def load_base_shards(model: nn.Module, reader: SliceReader) -> None:
     """Copy each frozen base weight's local rows out of the checkpoint."""
     for name, param in model.named_parameters():
-        if param.requires_grad or is_adapter_param(name, REFERENCE):  # a frozen reference adapter is no base weight
+        if param.requires_grad or is_adapter_param(name, REFERENCE) or is_nf4(param):  # loaded already or no base
             continue
         local, region = local_region(param)
         if local.numel():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,8 +68,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_layers: bool = False) -> nn.Module:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, LM head); with
+def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_layers: bool = False,
+                prepare_layer: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, LM head); `prepare_layer` runs
+    on each layer just before it is sharded (app.model.quantization: NF4 weights, one layer at a time); with
     `compile_layers`, each layer's forward is torch.compile'd after its fully_shard: FSDP's hooks stay
     outside the compiled code (each layer compiles once and the others reuse its code), and what is compiled
     is the forward of the class fully_shard swapped in, the outermost one, which transformers'
@@ -83,14 +86,32 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FsdpSection, compile_l
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
     if fsdp.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    kept_whole: set[nn.Parameter] = set()
     for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
+        if prepare_layer is not None:
+            prepare_layer(layer)
+        kept_whole |= unshardable_on_one_rank(layer, mesh)
+        fully_shard(layer, **kwargs, ignored_params=kept_whole or None)
         if compile_layers:
             layer.forward = torch.compile(layer.forward)
     # The root (embeddings, LM head) is needed again at once by backward: kept gathered, as fully_shard does by
     # default for a root; the chunked loss (app/train/loss.py) reads the LM head's gathered weight after the forward.
-    fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
+    fully_shard(model, **(kwargs | {"reshard_after_forward": False}), ignored_params=kept_whole or None)
     return model
+
+
+def unshardable_on_one_rank(module: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Parameters FSDP2 must leave alone when each shard group is one rank: tensor subclasses with their own
+    all-gather (NF4 weights, app.model.quantization), whose several all-gather inputs FSDP2's one-rank path
+    does not handle (torch 2.13: it copies the first). There is nothing to shard then; they stay whole."""
+    if shard_group_size(mesh) > 1:
+        return set()
+    return {p for p in module.parameters() if hasattr(p, "fsdp_pre_all_gather")}
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """How many ranks each parameter is split over: the whole mesh (FSDP), or its shard dimension (HSDP)."""
+    return mesh.size(mesh.ndim - 1)
 
 
 def reshard(model: nn.Module) -> None:

@@ -65,10 +65,18 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
              "AdamW state (sharded, 2 x fp32)": 2 * lora * 4 / shard}
     (plan.host if cfg.fsdp.cpu_offload else plan.device).update(state)
     gathered_layers = 2 if cfg.fsdp.reshard_after_forward else len(layers)
-    # NF4 weights are gathered as 4-bit codes and dequantized one linear layer at a time as it runs
-    layer_bytes = (layer_params - max(quantized)) * compute + max(quantized) * NF4_BYTES_PER_PARAM
+    # NF4 weights are gathered as 4-bit codes (on a one-rank shard group FSDP2 leaves them alone: not gathered,
+    # not offloaded) and dequantized one linear layer at a time as it runs: int64 codes, a few stored-dtype
+    # temporaries, the compute-dtype copy
+    nf4_gathered = max(quantized) * NF4_BYTES_PER_PARAM
+    if shard == 1 and sum(quantized):
+        plan.device["NF4 weights (1-rank groups: not sharded)"] = sum(quantized) * NF4_BYTES_PER_PARAM
+        state_key = "parameters (sharded, stored dtype)"
+        (plan.host if cfg.fsdp.cpu_offload else plan.device)[state_key] -= sum(quantized) * NF4_BYTES_PER_PARAM
+        nf4_gathered = 0
+    layer_bytes = (layer_params - max(quantized)) * compute + nf4_gathered
     dequantized = max(quantized) and max(linear.weight.numel() for layer in layers
-                                         for linear in quantizable_linears(layer).values()) * compute
+                                         for linear in quantizable_linears(layer).values()) * (8 + 3 * stored + compute)
     plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_bytes + root_params * compute
                                                               + dequantized)
     plan.device["activations (estimate)"] = activation_bytes(model.config, cfg, compute, len(layers))

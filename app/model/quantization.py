@@ -7,8 +7,9 @@ the 4-bit bytes; a linear layer dequantizes its weight to the input's dtype when
 stay fp32 masters, compute is in `fsdp.param_dtype`). Embeddings, norms and the LM head are not quantized.
 
 Both loading paths quantize the same full weight with the same block sizes, one decoder layer at a time
-just before that layer is sharded, so a rank never holds more than one layer's unquantized weights beyond
-its NF4 shards, and `model.load: full` and `sharded` give the same NF4 bytes.
+just before that layer is sharded, so `model.load: full` and `sharded` give the same NF4 bytes; with
+`sharded` a rank never holds more than one unquantized matrix beyond its NF4 shards (with `full` it has
+loaded the whole model first, as without quantization).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def quantize_nf4(weight: torch.Tensor, shards: int) -> torch.Tensor:
 
 def quantizable_linears(layer: nn.Module) -> dict[str, nn.Linear]:
     """The base model's linear layers inside a decoder layer (PEFT's `base_layer`s where LoRA wraps them; not
-    the LoRA matrices), by their names within the layer."""
+    the LoRA matrices nor a trained copy), by their names within the layer."""
     return {name: module for name, module in layer.named_modules()
-            if isinstance(module, nn.Linear) and ".lora_" not in f".{name}" and module.weight.dim() == 2}
+            if isinstance(module, nn.Linear) and ".lora_" not in f".{name}" and "modules_to_save" not in name
+            and module.weight.dim() == 2}
 
 
 def quantization_problem(model: nn.Module, layers: list[nn.Module], shards: int) -> str | None:
@@ -84,5 +86,7 @@ def quantization_problem(model: nn.Module, layers: list[nn.Module], shards: int)
 def quantize_layer(layer: nn.Module, shards: int, full_weight: Callable[[nn.Linear], torch.Tensor]) -> None:
     """Replace each base linear weight of `layer` by its NF4 form (frozen); `full_weight(linear)` gives the
     unquantized weight (the module's own, or read from the checkpoint when the model is on meta)."""
-    for linear in quantizable_linears(layer).values():
+    for name, linear in quantizable_linears(layer).items():
+        if linear.weight.requires_grad:
+            raise ValueError(f"{name}: a trained weight cannot be stored as NF4 (only the frozen base is)")
         linear.weight = nn.Parameter(quantize_nf4(full_weight(linear), shards), requires_grad=False)

@@ -123,7 +123,8 @@ def allocate_local_shards(model: nn.Module, device: torch.device) -> None:
     buffers' values (and parameters that have storage already: NF4 weights quantized as their layer was
     sharded)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    # fully_shard placed the rest already (offloaded shards on the host); NF4's .to() would dequantize them
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     for name, buffer in buffers.items():
         model.get_buffer(name).copy_(buffer)
 

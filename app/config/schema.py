@@ -280,6 +280,11 @@ class FinetuneConfig(_Section):
         return self
 
     @property
+    def shard_group_size(self) -> int:
+        """Ranks each parameter is split over: every worker (FSDP), or the shard dimension of scaling.mesh (HSDP)."""
+        return self.scaling.mesh[1] if self.scaling.mesh else self.scaling.num_workers
+
+    @property
     def grad_accum_steps(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
 

@@ -90,8 +90,7 @@ def check_nf4_shapes(cfg: FinetuneConfig) -> None:
     from app.model.sharding import decoder_layers
 
     base = build_meta_base_model(cfg.model)
-    shards = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
-    if problem := quantization_problem(base, decoder_layers(base), shards):
+    if problem := quantization_problem(base, decoder_layers(base), cfg.shard_group_size):
         raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh shard "
                              "size) that divides it, or model.quantization=none")
 

@@ -51,7 +51,7 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
 
     cfg = cfg.with_dtypes_resolved(cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
     model, base, lora = count_parameters(cfg, config_file)
-    shard = cfg.scaling.mesh[1] if cfg.scaling.mesh else cfg.scaling.num_workers
+    shard = cfg.shard_group_size
     stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]
     layers = decoder_layers(model)
     quantized = nf4_params(layers) if cfg.model.quantization == "nf4" else [0]
@@ -59,22 +59,20 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     root_params = base + lora - sum(p.numel() for layer in layers for p in layer.parameters())
     plan = MemoryPlan(cfg.scaling.num_workers, shard, base, lora)
 
-    base_bytes = (base - sum(quantized)) * stored + sum(quantized) * NF4_BYTES_PER_PARAM
+    # NF4 weights: on a one-rank shard group FSDP2 leaves them alone (not sharded, gathered or offloaded)
+    nf4_bytes = sum(quantized) * NF4_BYTES_PER_PARAM
+    whole_nf4 = shard == 1 and nf4_bytes > 0
+    base_bytes = (base - sum(quantized)) * stored + (0 if whole_nf4 else nf4_bytes)
     state = {"parameters (sharded, stored dtype)": (base_bytes + lora * 4) / shard,  # NF4 bytes where quantized
              "LoRA gradients (sharded, fp32)": lora * 4 / shard,
              "AdamW state (sharded, 2 x fp32)": 2 * lora * 4 / shard}
     (plan.host if cfg.fsdp.cpu_offload else plan.device).update(state)
+    if whole_nf4:
+        plan.device["NF4 weights (1-rank groups: not sharded)"] = nf4_bytes
     gathered_layers = 2 if cfg.fsdp.reshard_after_forward else len(layers)
-    # NF4 weights are gathered as 4-bit codes (on a one-rank shard group FSDP2 leaves them alone: not gathered,
-    # not offloaded) and dequantized one linear layer at a time as it runs: int64 codes, a few stored-dtype
+    # gathered NF4 layers stay 4-bit; each linear dequantizes as it runs: int64 codes, a few stored-dtype
     # temporaries, the compute-dtype copy
-    nf4_gathered = max(quantized) * NF4_BYTES_PER_PARAM
-    if shard == 1 and sum(quantized):
-        plan.device["NF4 weights (1-rank groups: not sharded)"] = sum(quantized) * NF4_BYTES_PER_PARAM
-        state_key = "parameters (sharded, stored dtype)"
-        (plan.host if cfg.fsdp.cpu_offload else plan.device)[state_key] -= sum(quantized) * NF4_BYTES_PER_PARAM
-        nf4_gathered = 0
-    layer_bytes = (layer_params - max(quantized)) * compute + nf4_gathered
+    layer_bytes = (layer_params - max(quantized)) * compute + (0 if whole_nf4 else max(quantized) * NF4_BYTES_PER_PARAM)
     dequantized = max(quantized) and max(linear.weight.numel() for layer in layers
                                          for linear in quantizable_linears(layer).values()) * (8 + 3 * stored + compute)
     plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_bytes + root_params * compute

@@ -51,6 +51,27 @@ def _build(model_path: str, load: str):
     return build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, torch.device("cpu"))
 
 
+def _train(model, steps: int) -> list[float]:
+    """`steps` AdamW steps of the LoRA weights on IDS; the loss of each."""
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _dequantize_in_place(model, shards: int) -> None:
+    """Each quantizable weight replaced by its NF4 round trip (as quantized for `shards` ranks)."""
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for linear in quantizable_linears(layer).values():
+                linear.weight.copy_(quantize_nf4(linear.weight, shards=shards).get_original_weight())
+
+
 def _quantize_load_and_train(rank: int, world: int, model_path: str, out: str) -> None:
     full, sharded = _build(model_path, "full"), _build(model_path, "sharded")
     nf4_full, nf4_sharded = _nf4_parts(full), _nf4_parts(sharded)
@@ -66,14 +87,7 @@ def _quantize_load_and_train(rank: int, world: int, model_path: str, out: str) -
     with torch.no_grad():
         loss_nf4 = sharded(input_ids=IDS, labels=IDS).loss.item()
     reshard(sharded)
-    optimizer = torch.optim.AdamW(trainable_parameters(sharded), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        loss = sharded(input_ids=IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train(sharded, steps=8)
     reshard(sharded)
     assert all(is_nf4(p) for name, p in sharded.named_parameters() if name in nf4_full)  # still NF4 after steps
     if rank == 0:
@@ -94,9 +108,7 @@ def test_an_nf4_base_loads_alike_both_ways_gathers_to_its_quantized_weight_and_t
         torch.testing.assert_close(weight, expected, rtol=0, atol=0, msg=name)
     with torch.no_grad():
         exact = plain(input_ids=IDS, labels=IDS).loss.item()
-        for layer in decoder_layers(plain):
-            for linear in quantizable_linears(layer).values():
-                linear.weight.copy_(quantize_nf4(linear.weight, shards=2).get_original_weight())
+        _dequantize_in_place(plain, shards=2)
         dequantized = plain(input_ids=IDS, labels=IDS).loss.item()
     assert result["loss_nf4"] == pytest.approx(dequantized, rel=1e-5)  # NF4 computes its dequantized weights
     assert result["loss_nf4"] != pytest.approx(exact, rel=1e-4)  # ... which are not the original ones
@@ -112,16 +124,9 @@ def test_an_nf4_base_loads_alike_both_ways_gathers_to_its_quantized_weight_and_t
 
 def _one_rank(rank: int, world: int, model_path: str, out: str) -> None:
     model = _build(model_path, "sharded")
-    assert all(type(p).__name__ == "NF4Tensor" for name, p in model.named_parameters() if is_nf4(p))  # not DTensors
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    torch.save(losses, f"{out}/one_rank.pt")
+    nf4 = [p for p in model.parameters() if is_nf4(p)]
+    assert len(nf4) == 4 * 7 and all(type(p).__name__ == "NF4Tensor" for p in nf4)  # whole, not DTensors
+    torch.save(_train(model, steps=3), f"{out}/one_rank.pt")
 
 
 @pytest.mark.slow
@@ -132,10 +137,8 @@ def test_on_one_rank_the_nf4_weights_stay_whole_and_train(embedded, tmp_path):
     losses = torch.load(tmp_path / "one_rank.pt")
     cfg = load_config(None, [f"model.path={embedded['model']}", *OVERRIDES])
     plain = build_lora_model(cfg.model, cfg.lora, seed=0).eval()
+    _dequantize_in_place(plain, shards=1)
     with torch.no_grad():
-        for layer in decoder_layers(plain):
-            for linear in quantizable_linears(layer).values():
-                linear.weight.copy_(quantize_nf4(linear.weight, shards=1).get_original_weight())
         assert losses[0] == pytest.approx(plain(input_ids=IDS, labels=IDS).loss.item(), rel=1e-5)
     assert losses[-1] < losses[0]
 

@@ -30,7 +30,7 @@ demo: setup embedded
 # Two test processes (pytest-xdist): the suite mostly waits on processes starting, so two share 2 cores
 # well; a test module stays in one process (conftest.py groups them). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 test: setup
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

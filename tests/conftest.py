@@ -9,6 +9,11 @@ import pytest
 
 from tests.helpers import REPO, SHORT_RUN, make_config
 
+# Ray Train's controller records a reported checkpoint at its next poll (2 s by default); polling faster
+# keeps the fault tests' kill-to-checkpoint margins short and every job's start and end shorter. Set at
+# import, before any test starts a Ray cluster (the session one, the local stack, a job's own).
+os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+
 
 @pytest.fixture(scope="session")
 def embedded() -> dict[str, Path]:
@@ -26,15 +31,13 @@ def ray_cluster():
     """One local Ray cluster for every test that trains (starting one costs seconds)."""
     import ray
 
-    # Ray Train's controller records a reported checkpoint at its next poll (2 s by default); polling
-    # faster keeps the fault tests' kill-to-checkpoint margins short. Set before Ray starts its processes.
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     # Two test processes may each run a cluster (make test: pytest -n 2): a bounded object store each.
     from app.launch.driver import state_api_address_pinned
 
     # as a local job does: Ray Train's state API queries find this cluster (its dashboard costs a few seconds)
     with state_api_address_pinned() as port:
-        ray.init(num_cpus=(os.cpu_count() or 1) + 2, dashboard_port=port, object_store_memory=2 * 2**30)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, dashboard_port=port,
+                 object_store_memory=2 * 2**30)  # "local": never a cluster another test started (test_multinode)
     yield ray
     ray.shutdown()
 
@@ -46,27 +49,50 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
     from app.launch.driver import run_finetune
 
     cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference",
-                      "eval.generation_rows=100", "train.best_metric=eval_exact_match",
+                      "eval.generation_rows=16", "train.best_metric=eval_exact_match",
                       "mlflow.registered_model=reference-adapter")
     return cfg, run_finetune(cfg)
 
 
 # `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): a test module stays in one
-# process, so its module-scoped servers and clusters start once; the modules that compare against the
-# session's reference run share its process, so it is trained once.
-SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference_run"}
+# process, so its module-scoped servers and clusters start once; the modules that use the session's
+# reference run share its process, so it is trained once.
+SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference_run",
+                 "test_serving": "reference_run"}
+# The longest groups, longest first (measured: a fresh clone's `--durations`): handed out first, so the two
+# processes start on the two longest and the short modules fill in behind them (`make test` passes
+# --no-loadscope-reorder: xdist keeps this order instead of sorting groups by their number of tests).
+LONGEST_FIRST = ["tests.integration.test_jobs", "reference_run", "tests.integration.test_multinode",
+                 "tests.integration.test_run_safety", "tests.integration.test_models_and_formats",
+                 "tests.unit.train.test_recipe",
+                 "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
+                 "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",
+                 "tests.integration.test_preference", "tests.integration.test_tracking"]
+# Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
+FILLERS = {"tests.unit.model.test_packing_probe"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which writes the groups into the test ids
 def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        module = item.module.__name__
+        return SHARED_GROUPS.get(module.rsplit(".", 1)[-1], module)
+
+    def rank(item) -> int:
+        if item.module.__name__ in FILLERS:
+            return len(LONGEST_FIRST) + 1
+        return LONGEST_FIRST.index(group(item)) if group(item) in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, item.module.__name__)))
+        if item.module.__name__ not in FILLERS:
+            item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     """Stops a `--dist loadgroup` run whose groups did not reach xdist's test ids (pytest 9 ignores what
     xdist 3.8 writes): each module would start its clusters and servers in both processes."""
-    if session.config.getvalue("loadgroup") and session.items and "@" not in session.items[0].nodeid:
+    grouped = [item for item in session.items if item.module.__name__ not in FILLERS]
+    if getattr(session.config.option, "loadgroup", False) and grouped and "@" not in grouped[0].nodeid:
         raise pytest.UsageError("pytest-xdist's loadgroup ids did not apply (pytest 9?): install pytest<9")

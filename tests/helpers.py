@@ -31,6 +31,14 @@ def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> F
         f"data.eval_path={embedded['eval']}", f"train.output_dir={tmp_path / 'outputs'}", *overrides])
 
 
+def job_command(embedded: dict[str, Path], out: Path | str, *overrides: str) -> list[str]:
+    """`python -m jobs.finetune` of the embedded config, as a user runs it, reading the built model and data."""
+    paths = [f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
+             f"data.eval_path={embedded['eval']}", f"train.output_dir={out}"]
+    return [sys.executable, "-m", "jobs.finetune", "--config", str(EMBEDDED_CONFIG),
+            *(arg for item in [*paths, *overrides] for arg in ("--set", item))]
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
@@ -66,12 +74,23 @@ def start_mlflow_server(root: Path, **popen) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("mlflow server did not start")
 
 
+# What the ranks of run_ranks import: a forkserver imports them once per test process and forks every
+# rank from it (a spawned rank would import torch, transformers and PEFT again: seconds per rank).
+RANK_IMPORTS = ["app", "torch", "torch.distributed.fsdp", "transformers", "peft", "app.train.recipe",
+                "app.model.sharded_loading", "tests.helpers"]
+
+
 def run_ranks(fn, world: int, *args) -> None:
     """Run `fn(rank, world, *args)` in `world` processes joined in a real gloo process group (no Ray).
-    `fn` must be a module-level function: the processes are spawned."""
+    `fn` must be a module-level function: the processes start fresh (from a forkserver), not forked from
+    the test process."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_in_gloo_group, args=(world, free_port(), fn, args), nprocs=world)
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)  # used when the forkserver starts (the first call)
+    mp.start_processes(_in_gloo_group, args=(world, free_port(), fn, args), nprocs=world,
+                       start_method="forkserver")
 
 
 def _in_gloo_group(rank: int, world: int, port: int, fn, args) -> None:

@@ -106,40 +106,6 @@ def test_the_stack_made_its_own_token_readable_by_its_user_only(stack):
     assert stack["token_file"].read_text().strip() not in stack["up_output"]  # never printed
 
 
-def test_a_submitted_job_succeeds_and_its_run_is_on_the_tracking_server(stack, tmp_path):
-    submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides(*QUICK, "train.run_name=jobs-api-demo",
-                                           "mlflow.registered_model=jobs-api-demo"), "--follow")
-    logs = submitted.stdout + submitted.stderr
-    assert submitted.returncode == 0, logs[-3000:]
-    summary = json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
-    assert "HF_TOKEN is set" in logs and HF_SENTINEL not in logs
-
-    status = submit_cli(stack, "status", "jobs-api-demo")
-    assert status.stdout.startswith("jobs-api-demo: SUCCEEDED")
-    assert "jobs-api-demo" in submit_cli(stack, "list").stdout
-
-    client = MlflowClient(stack["mlflow"])
-    run = client.get_run(summary["mlflow_run_id"])
-    assert run.info.status == "FINISHED" and run.info.run_name == "jobs-api-demo"
-    assert run.data.tags["ray.job_submission_id"] == "jobs-api-demo"
-    # registered on the tracking server, the version tagged with its run
-    [version] = client.search_model_versions("name='jobs-api-demo'")
-    assert version.run_id == run.info.run_id == version.tags["run_id"] and summary["version"] == version.version
-    assert run.data.tags["base_model"] == str(stack["dir"] / ".cache" / "embedded" / "model")
-    assert len(run.data.tags.get("mlflow.source.git.commit", "")) == 40
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
-    assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"train.jsonl", "eval.jsonl"}
-    everything = json.dumps({**run.data.params, **run.data.tags})
-    assert HF_SENTINEL not in everything
-    adapter = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
-    table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/sample_generations.json",
-                                                      str(tmp_path))).read_text())
-    # the final evaluation's answers, each scored (the demo config decodes its held-out prompts)
-    assert table["columns"] == ["prompt", "reference", "generated", "exact_match"] and len(table["data"]) == 2
-
-
 def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
     """The job's driver (its command line names the run), and any Ray Train actor process of the stack:
     a descendant of the stack's raylet (the test session's own Ray cluster is not looked at)."""
@@ -190,13 +156,51 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
     assert _training_processes(run_name, stack["raytmp"]) == []
 
 
-def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack):
+SWEEP_CHILDREN = ("lr-sweep-0-learning_rate=1e-3", "lr-sweep-1-learning_rate=4e-3")  # submission ids = run names
+
+
+def _summary_from_the_logs(stack, job_id: str, *flags: str) -> dict:
+    """A finished job's logs through `jobs.submit logs`: the hub token reached the job but not its logs;
+    returns the JSON summary its driver printed last."""
+    shown = submit_cli(stack, "logs", job_id, *flags)
+    logs = shown.stdout + shown.stderr
+    assert shown.returncode == 0, logs[-3000:]
+    assert "HF_TOKEN is set" in logs and HF_SENTINEL not in logs
+    return json.loads([line for line in logs.splitlines() if line.startswith('{"mlflow_run_id"')][-1])
+
+
+def _a_submitted_jobs_run(stack, client: MlflowClient, job_id: str, summary: dict, tmp_path: Path) -> None:
+    """The job's run on the tracking server: named after its submission, tagged with the stack's model and
+    the commit, its curve, inputs, adapter and scored answers there, no hub token in its params or tags."""
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == job_id
+    assert run.data.tags["ray.job_submission_id"] == job_id
+    assert run.data.tags["base_model"] == str(stack["dir"] / ".cache" / "embedded" / "model")
+    assert len(run.data.tags.get("mlflow.source.git.commit", "")) == 40
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, 7))
+    assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"train.jsonl", "eval.jsonl"}
+    assert HF_SENTINEL not in json.dumps({**run.data.params, **run.data.tags})
+    adapter = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
+    downloads = tmp_path / run.info.run_id
+    downloads.mkdir()
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/sample_generations.json",
+                                                      str(downloads))).read_text())
+    # the final evaluation's answers, each scored (eval.generation_rows >= train.sample_prompts: decoded there)
+    assert table["columns"] == ["prompt", "reference", "generated", "exact_match"] and len(table["data"]) == 2
+
+
+def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack, tmp_path):
+    """`jobs.submit sweep`: one job per grid point, grouped under a parent run and compared in a table. Each
+    point is also a whole submitted job: it succeeds, its logs (one followed to the end) carry no secret,
+    its run is on the tracking server, and its adapter is a registered version tied to that run."""
     swept = submit_cli(stack, "sweep", "--config", "jobs/configs/embedded.yaml", "--name", "lr-sweep",
-                       "--grid", "train.learning_rate=1e-3,4e-3", *with_overrides(*QUICK, *NO_DECODING))
+                       "--grid", "train.learning_rate=1e-3,4e-3",
+                       *with_overrides(*QUICK, "eval.generation_rows=2", "mlflow.registered_model=jobs-api-demo"),
+                       timeout=780)  # within pytest's 900 s, with time left for the checks
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
     table = swept.stdout.split("lr-sweep: 2 jobs submitted")[1]
-    assert "lr-sweep-0-learning_rate=1e-3" in table and "lr-sweep-1-learning_rate=4e-3" in table
-    assert "final_eval_loss" in table
+    assert all(child in table for child in SWEEP_CHILDREN) and "final_eval_loss" in table
 
     client = MlflowClient(stack["mlflow"])
     runs = client.search_runs(client.get_experiment_by_name("embedded-demo").experiment_id, "tags.sweep = 'lr-sweep'")
@@ -208,6 +212,22 @@ def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack):
     assert all(r.info.status == "FINISHED" and "final_eval_loss" in r.data.metrics for r in children)
     assert parent[0].info.status == "FINISHED"
     assert "sweep/results.json" in {f.path for f in client.list_artifacts(parent[0].info.run_id, "sweep")}
+
+    # each point as a submitted job: `logs --follow` of a finished job streams it whole, then returns
+    summaries = {SWEEP_CHILDREN[0]: _summary_from_the_logs(stack, SWEEP_CHILDREN[0], "--follow"),
+                 SWEEP_CHILDREN[1]: _summary_from_the_logs(stack, SWEEP_CHILDREN[1])}
+    assert {s["mlflow_run_id"] for s in summaries.values()} == {r.info.run_id for r in children}
+    assert submit_cli(stack, "status", SWEEP_CHILDREN[0]).stdout.startswith(f"{SWEEP_CHILDREN[0]}: SUCCEEDED")
+    listed = submit_cli(stack, "list").stdout
+    assert all(child in listed for child in SWEEP_CHILDREN)
+    # registered on the tracking server: one version per job, each tagged with its own run
+    versions = client.search_model_versions("name='jobs-api-demo'")
+    assert len(versions) == 2
+    by_run = {v.run_id: v for v in versions}
+    for job_id, summary in summaries.items():
+        _a_submitted_jobs_run(stack, client, job_id, summary, tmp_path)
+        version = by_run[summary["mlflow_run_id"]]
+        assert version.tags["run_id"] == summary["mlflow_run_id"] and summary["version"] == version.version
 
 
 def test_local_down_stops_the_stack_and_nothing_else(stack):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,17 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from app.config.schema import FinetuneConfig
 from app.launch.driver import run_finetune
-from tests.helpers import EMBEDDED_CONFIG, NO_DECODING, REPO, free_port, make_config, start_mlflow_server
+from tests.helpers import (
+    EMBEDDED_CONFIG,
+    NO_DECODING,
+    REPO,
+    free_port,
+    job_command,
+    make_config,
+    start_mlflow_server,
+)
 
 pytestmark = pytest.mark.e2e
 QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4", "train.log_every=1",
@@ -30,14 +40,9 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
     return start_mlflow_server(root, start_new_session=True)  # its own process group: killed as one
 
 
-def job_command(embedded, out: Path | str, *overrides: str) -> list[str]:
-    paths = [f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
-             f"data.eval_path={embedded['eval']}", f"train.output_dir={out}"]
-    return [sys.executable, "-m", "jobs.finetune", "--config", str(EMBEDDED_CONFIG),
-            *(arg for item in [*paths, *overrides] for arg in ("--set", item))]
-
-
 def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_the_rest(embedded, tmp_path):
+    """The tracking server is SIGKILLed mid-run: the job still finishes with its adapter and journals what
+    it could not send; once a server is back on the same store, `jobs.sync` sends the rest."""
     server, uri = start_mlflow(tmp_path / "mlflow")
     out, run_name = tmp_path / "outputs", "outage"
     env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
@@ -77,36 +82,56 @@ def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_th
         os.killpg(server.pid, signal.SIGKILL)
 
 
-def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(ray_cluster, embedded, tmp_path):
+@dataclass(frozen=True)
+class Twins:
+    cfg: FinetuneConfig  # the job that ran, in this process
+    summary: dict | None  # its summary; None if it did not finish
+    second: subprocess.CompletedProcess  # the `python -m jobs.finetune` job started while the first held the run
+
+
+@pytest.fixture(scope="module")
+def twins(ray_cluster, embedded, tmp_path_factory) -> Twins:
+    """Two jobs started with one run name, "twins": one here, and while it holds the run a second one, as a
+    `python -m jobs.finetune` process. The finished run is then also the one the export test interrupts."""
+    tmp_path = tmp_path_factory.mktemp("twins")
     cfg = make_config(tmp_path, embedded, *QUICK, "train.run_name=twins")
-    first = threading.Thread(target=lambda: results.append(run_finetune(cfg)))
     results: list[dict] = []
+    first = threading.Thread(target=lambda: results.append(run_finetune(cfg)))
     first.start()
     deadline = time.time() + 120
-    while not (tmp_path / "outputs" / "twins" / "writer.json").exists() and time.time() < deadline:
+    while not Path(cfg.run_dir.path("writer.json")).exists() and time.time() < deadline:
         time.sleep(0.1)
     second = subprocess.run(job_command(embedded, tmp_path / "outputs", *QUICK, "train.run_name=twins"),
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     first.join(timeout=600)
+    return Twins(cfg, results[0] if results else None, second)
+
+
+def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(twins):
+    """The second job stops at once with one line naming the job that holds the run; the first finishes,
+    there is one MLflow run of that name, and the claim on the run is released at the end."""
+    cfg, second = twins.cfg, twins.second
     assert second.returncode == 2
     assert second.stderr.startswith("error: train.run_name=twins: another job (pid") and second.stderr.count("\n") == 1
-    assert results and results[0]["steps"] == 12
+    assert twins.summary is not None and twins.summary["steps"] == 12
     client = MlflowClient(cfg.mlflow.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id],
                               "attributes.run_name = 'twins'")
     assert len(runs) == 1  # the second job left no orphan MLflow run
-    assert not (tmp_path / "outputs" / "twins" / "writer.json").exists()  # released at the end
+    assert not Path(cfg.run_dir.path("writer.json")).exists()  # released at the end
 
 
-def test_an_interrupted_adapter_export_is_redone_by_resume(ray_cluster, embedded, tmp_path):
-    cfg = make_config(tmp_path, embedded, *QUICK, "train.max_steps=6", "train.run_name=export")
-    first = run_finetune(cfg)
+def test_an_interrupted_adapter_export_is_redone_by_resume(twins):
+    """A finished run whose adapter export was cut short (no COMPLETE, a broken file) gets the same adapter,
+    bit for bit, from resuming it: same MLflow run, no extra step, FINISHED again."""
+    cfg, first = twins.cfg, twins.summary
+    assert first is not None, "the twins run did not finish"
     adapter = Path(first["adapter_path"])
     exported = {k: v.clone() for k, v in load_file(adapter / "adapter_model.safetensors").items()}  # not mmapped
     (adapter / "COMPLETE").unlink()  # as if the job had stopped halfway through writing it
     (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 100)
     resumed = run_finetune(cfg, resume=True)
-    assert resumed["mlflow_run_id"] == first["mlflow_run_id"] and resumed["steps"] == 6
+    assert resumed["mlflow_run_id"] == first["mlflow_run_id"] and resumed["steps"] == 12
     assert (adapter / "COMPLETE").exists()
     again = load_file(adapter / "adapter_model.safetensors")
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
@@ -137,6 +162,8 @@ def s3_bucket(tmp_path):
 
 def test_a_run_on_an_s3_output_dir_keeps_everything_there_and_resumes_from_it(embedded, tmp_path, s3_bucket,
                                                                                 monkeypatch):
+    """A job with an s3:// output dir writes its run, checkpoints and adapter to the bucket (never a local
+    folder), and a resume of it redoes an interrupted export there."""
     import pyarrow.fs as pafs
 
     env = {**os.environ, **s3_bucket}

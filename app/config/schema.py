@@ -152,6 +152,10 @@ class TrainSection(_Section):
     checkpoint_every: int = Field(50, gt=0, description="steps between sharded checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="how many of the latest checkpoints to keep")
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")
+    shared_output_dir: bool = Field(False, description="train.output_dir is a path every node mounts (NFS, a "
+                                    "PVC): with workers on several hosts a local output_dir must be this, under "
+                                    "$FINETUNE_STORAGE, or a URI (s3://, gs://), or a restarted worker could not "
+                                    "read the checkpoints")
     output_dir: str = Field("outputs", description="run directories (adapter, checkpoints) and the local MLflow "
                             "store go under here")
     run_name: str | None = Field(None, description="the run directory, MLflow run and job name; defaults to "
@@ -197,6 +201,25 @@ class ScalingSection(_Section):
     cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs Ray reserves for each worker")
     mesh: list[int] | None = Field(None, description="[replicas, shard size] for HSDP: shard within groups of "
                                    "`shard size` workers (a node), replicate across groups; None: shard over all")
+    min_workers: int | None = Field(None, gt=0, description="elastic runs: keep training on as few as this many "
+                                    "workers when nodes are lost or preempted (from the latest checkpoint, the same "
+                                    "global batch: accumulation makes up the rest), and grow back to num_workers "
+                                    "when capacity returns; None: num_workers, a fixed group")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray places the workers on nodes (its placement-group strategies): PACK fills "
+                            "nodes in turn, SPREAD spreads where it can, STRICT_* insists")
+    resize_check_seconds: float = Field(60.0, gt=0.0, description="elastic runs: how often a healthy, smaller "
+                                        "group checks whether it can grow back (growing restarts the group from "
+                                        "the latest checkpoint)")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def worker_counts(self) -> range:
+        """Every group size the run may train with (one, unless elastic)."""
+        return range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1)
 
 
 class MlflowSection(_Section):
@@ -239,12 +262,18 @@ class FinetuneConfig(_Section):
 
     @model_validator(mode="after")
     def _settings_agree(self) -> FinetuneConfig:
-        per_step = self.train.micro_batch_size * self.scaling.num_workers
-        if self.train.global_batch_size % per_step:
-            raise ValueError(
-                f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size x scaling.num_workers = {per_step}; change one of them"
-            )
+        if self.scaling.min_workers is not None and self.scaling.min_workers > self.scaling.num_workers:
+            raise ValueError(f"scaling.min_workers={self.scaling.min_workers} is more than scaling.num_workers="
+                             f"{self.scaling.num_workers}: lower it, or leave it unset for a fixed group")
+        for workers in self.scaling.worker_counts:
+            per_step = self.train.micro_batch_size * workers
+            if self.train.global_batch_size % per_step and workers == self.scaling.num_workers:
+                raise ValueError(f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
+                                 f"train.micro_batch_size x scaling.num_workers = {per_step}; change one of them")
+            if self.train.global_batch_size % per_step:
+                raise ValueError(f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
+                                 f"train.micro_batch_size x {workers} workers = {per_step} (an elastic group may "
+                                 f"shrink to scaling.min_workers={self.scaling.min_workers}); change one of them")
         if self.fsdp.cpu_offload and not self.scaling.use_gpu:
             raise ValueError("fsdp.cpu_offload=true moves GPU state to host memory; with scaling.use_gpu=false "
                              "everything is in host memory already: set fsdp.cpu_offload=false")
@@ -277,6 +306,9 @@ class FinetuneConfig(_Section):
         if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != self.scaling.num_workers or min(mesh) < 1):
             raise ValueError(f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
                              f"scaling.num_workers = {self.scaling.num_workers}")
+        if mesh is not None and self.scaling.elastic:
+            raise ValueError(f"scaling.mesh={mesh} with scaling.min_workers={self.scaling.min_workers}: an HSDP mesh "
+                             "is for a fixed worker count; unset one of them")
         return self
 
     @property
@@ -286,7 +318,11 @@ class FinetuneConfig(_Section):
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
+        return self.grad_accum_steps_on(self.scaling.num_workers)
+
+    def grad_accum_steps_on(self, workers: int) -> int:
+        """Micro-batches per optimizer step on `workers` workers: the global batch is the same on any count."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * workers)
 
     def with_dtypes_resolved(self, fast_bf16: bool) -> FinetuneConfig:
         """`auto` dtypes made concrete for hardware that does (or does not) compute bf16 natively."""

@@ -9,6 +9,7 @@ shard as micro-batches.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -97,27 +98,35 @@ class PassCoordinator:
                  data: DataSection):
         self.plan, self.pad_id, self.world_size, self.data = plan, pad_id, world_size, data
         self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
-        self.passes = PassCache(self._build, world_size)
+        self._lock = threading.Lock()
+        self._passes = {world_size: PassCache(functools.partial(self._build, world_size=world_size), world_size)}
 
-    def _build(self, epoch: int) -> list[ray.ObjectRef]:
+    def _build(self, epoch: int, world_size: int) -> list[ray.ObjectRef]:
         rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
         sources = len(self.plan.rows)
         rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
                 if self.data.packing else unpacked_rows(rows, sources))
-        if rows.num_rows < self.world_size:
+        if rows.num_rows < world_size:
             raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
-                                 f"data.max_seq_len={self.data.max_seq_len}, fewer than scaling.num_workers="
-                                 f"{self.world_size}; add data, use fewer workers or set data.packing=false")
-        return [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, self.world_size)]
+                                 f"data.max_seq_len={self.data.max_seq_len}, fewer than the {world_size} workers; "
+                                 "add data, use fewer workers or set data.packing=false")
+        return [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, world_size)]
 
-    def shard(self, epoch: int, rank: int) -> list:
-        """[a reference to this rank's rows of pass `epoch`] (in a list: Ray would resolve a bare one)."""
-        return [self.passes.shard(epoch, rank)]
+    def shard(self, epoch: int, rank: int, world_size: int) -> list:
+        """[a reference to this rank's rows of pass `epoch`, dealt to `world_size` ranks] (in a list: Ray would
+        resolve a bare one). An elastic run's group that changed size gets passes dealt to its new size; the
+        passes of the old size are dropped."""
+        with self._lock:
+            if world_size not in self._passes:
+                self._passes = {world_size: PassCache(functools.partial(self._build, world_size=world_size),
+                                                      world_size)}
+            passes = self._passes[world_size]
+        return [passes.shard(epoch, rank)]
 
     def first_pass_figures(self) -> dict[str, float]:
         """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised
         (the driver asks before any worker starts)."""
-        [ref] = self.shard(0, 0)
+        [ref] = self.shard(0, 0, self.world_size)
         rows = ray.get(ref)
         sides = 2 if "chosen_input_ids" in rows.column_names else 1  # a preference pair's row holds two sequences
         fill = pc.sum(rows.column("length")).as_py() / max(rows.num_rows * sides * self.data.max_seq_len, 1)

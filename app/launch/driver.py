@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id
+from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id, shared_storage
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import start_passes
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
@@ -28,7 +29,7 @@ from app.errors import UserInputError
 from app.launch import console
 from app.launch.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
 from app.launch.summary import best_tags, job_summary
-from app.launch.worker import FAULT_ENV, WorkerLaunch, train_worker
+from app.launch.worker import FAULT_ENV, PACE_ENV, WorkerLaunch, train_worker
 from app.model.embedded import ensure_embedded
 from app.model.sharding import process_group_backend
 from app.runs.claim import claimed_run
@@ -90,19 +91,40 @@ def state_api_address_pinned():
 
 
 def check_placement(cfg: FinetuneConfig) -> None:
-    """The cluster must hold every worker at once (gang scheduling); say so before waiting forever."""
+    """The cluster must hold every worker at once (gang scheduling), or an elastic run's fewest: say so
+    before waiting forever. Workers that may land on several hosts need checkpoints every host reads."""
     have = ray.cluster_resources()
-    need_cpu = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    workers = cfg.scaling.worker_counts[0]
+    key = "scaling.min_workers" if cfg.scaling.elastic else "scaling.num_workers"
+    need_cpu = workers * cfg.scaling.cpus_per_worker
     if need_cpu > have.get("CPU", 0):
         raise UserInputError(
-            f"scaling.num_workers={cfg.scaling.num_workers} needs {need_cpu:g} CPUs "
-            f"({cfg.scaling.cpus_per_worker:g} per worker) but the cluster has {have.get('CPU', 0):g}; "
-            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
-    if cfg.scaling.use_gpu and cfg.scaling.num_workers > have.get("GPU", 0):
+            f"{key}={workers} needs {need_cpu:g} CPUs ({cfg.scaling.cpus_per_worker:g} per worker) but the "
+            f"cluster has {have.get('CPU', 0):g}; lower {key} or scaling.cpus_per_worker, or add nodes")
+    if cfg.scaling.use_gpu and workers > have.get("GPU", 0):
         raise UserInputError(
-            f"scaling.num_workers={cfg.scaling.num_workers} with scaling.use_gpu=true needs "
-            f"{cfg.scaling.num_workers} GPUs but the cluster has {have.get('GPU', 0):g}; "
-            "lower scaling.num_workers, or set scaling.use_gpu=false to train on CPUs")
+            f"{key}={workers} with scaling.use_gpu=true needs {workers} GPUs but the cluster has "
+            f"{have.get('GPU', 0):g}; lower {key}, or set scaling.use_gpu=false to train on CPUs")
+    hosts = worker_hosts(cfg)
+    if len(hosts) > 1 and not output_reaches_every_host(cfg):
+        raise UserInputError(
+            f"train.output_dir={cfg.train.output_dir} is a local path and the workers may run on {len(hosts)} "
+            f"hosts ({', '.join(sorted(hosts)[:4])}), where a restarted worker could not read another host's "
+            "checkpoints: use a URI (s3://...), a path under $FINETUNE_STORAGE, or set "
+            "train.shared_output_dir=true if every host mounts it")
+
+
+def worker_hosts(cfg: FinetuneConfig) -> set[str]:
+    """The addresses of the live nodes that can hold a training worker (several nodes on one host are one)."""
+    need = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
+    return {node["NodeManagerAddress"] for node in ray.nodes()
+            if node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in need.items())}
+
+
+def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
+    storage = shared_storage()
+    return ("://" in cfg.train.output_dir or cfg.train.shared_output_dir
+            or bool(storage and Path(cfg.train.output_dir).is_relative_to(storage)))
 
 
 def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
@@ -150,11 +172,14 @@ def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: dict
     launch = WorkerLaunch(cfg, run_id, job_start_time, passes, ray.put(eval_rows), train.plan.names, credentials,
                           ray.put(init_adapter) if init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
-    fault_injection = {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
+    fault_injection = {name: os.environ[name] for name in (FAULT_ENV, PACE_ENV) if name in os.environ}
     return TorchTrainer(
         functools.partial(train_worker, launch),
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(
+            num_workers=(cfg.scaling.min_workers, cfg.scaling.num_workers) if cfg.scaling.elastic
+            else cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources,
+            placement_strategy=cfg.scaling.placement_strategy,
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_check_seconds),
         run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
             name=cfg.train.run_name, storage_path=cfg.train.output_dir,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),

@@ -90,9 +90,11 @@ def check_nf4_shapes(cfg: FinetuneConfig) -> None:
     from app.model.sharding import decoder_layers
 
     base = build_meta_base_model(cfg.model)
-    if problem := quantization_problem(base, decoder_layers(base), cfg.shard_group_size):
-        raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh shard "
-                             "size) that divides it, or model.quantization=none")
+    groups = [cfg.shard_group_size] if cfg.scaling.mesh else cfg.scaling.worker_counts  # elastic: every size
+    for shards in groups:
+        if problem := quantization_problem(base, decoder_layers(base), shards):
+            raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh "
+                                 "shard size, or scaling.min_workers) that divides it, or model.quantization=none")
 
 
 def check_packing(model: ModelSection) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,9 @@ from app.train.checkpoint import TrainerState
 from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe, NoTracking
 
-FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": fault injection for the resilience tests
+# Fault injection for the resilience tests, forwarded to the workers by the driver when set:
+FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": the last rank dies once mid-save at STEP
+PACE_ENV = "FINETUNE_FAULT_STEP_SECONDS"  # each step takes this much longer: nodes come and go within a short run
 
 
 class RayCheckpoints:
@@ -31,6 +35,7 @@ class RayCheckpoints:
 
     def __init__(self, rank: int, world_size: int):
         self.is_last_rank = rank == world_size - 1
+        self.pace = float(os.environ.get(PACE_ENV, 0))
 
     def restore(self, load) -> TrainerState | None:
         checkpoint = ray.train.get_checkpoint()
@@ -44,6 +49,15 @@ class RayCheckpoints:
             write(Path(directory))
             self._maybe_die_mid_save(metrics["step"])
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def preemption_deadline(self) -> float | None:
+        """Ray Train's notice that a node of this group is draining (what the autoscaler and
+        `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION` send); a barrier over the ranks."""
+        time.sleep(self.pace)  # 0 unless a test paces the steps (PACE_ENV)
+        notice = ray.train.get_preemption_info()
+        if notice is None:
+            return None
+        return notice.deadline_ms / 1000 if notice.deadline_ms else math.inf
 
     def _maybe_die_mid_save(self, step: int) -> None:
         """With FINETUNE_FAULT_DIE_IN_CHECKPOINT=STEP:MARKER set, the last rank SIGKILLs itself once,
@@ -81,7 +95,7 @@ def train_worker(launch: WorkerLaunch) -> None:
     eval_rows = ray.get(launch.eval_rows)  # every rank holds the whole eval set (evaluation deals it out)
 
     def train_pass(epoch: int):
-        [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank))
+        [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank, ctx.world_size))
         return shard_batches(ray.get(rows), cfg.train.micro_batch_size)
 
     def eval_pass():

@@ -45,6 +45,7 @@ from app.train.checkpoint import (
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
 from app.train.objectives import objective_for
+from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.ranks import RankContext, max_over_ranks, on_every_rank
 from app.train.task_metrics import row_scores, score
@@ -72,6 +73,10 @@ class NoTracking:
 class CheckpointStore(Protocol):
     def restore(self, load: Callable[[Path], TrainerState]) -> TrainerState | None: ...
     def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
+
+    def preemption_deadline(self) -> float | None:
+        """When a node of this group will be reclaimed (wall-clock seconds; inf: no deadline given), the same
+        answer on every rank; None: no notice. Asked once per step by every rank."""
 
 
 class FinetuneRecipe:
@@ -102,6 +107,9 @@ class FinetuneRecipe:
         self.objective = objective_for(cfg)
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
         self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
+        self.notice = DrainNotice()
+        self.loop_seconds = self.save_seconds = 0.0  # the last step's (all of it) and checkpoint's, for a drain
+        self.last_drain_check = time.perf_counter()
 
     def setup(self) -> None:
         ctx = self.ctx
@@ -167,9 +175,31 @@ class FinetuneRecipe:
                 progress.line(step, metrics)
             if self.stopped_early:
                 break
-            if self.checkpoints and step % self.cfg.train.checkpoint_every == 0 and step != last:
+            drain = self.drain_checkpoint_due(step)
+            if self.checkpoints and (step % self.cfg.train.checkpoint_every == 0 or drain) and step != last:
                 self.save_checkpoint(step)
         return self.finish()  # saves the last checkpoint, with the run's summary
+
+    def drain_checkpoint_due(self, step: int) -> bool:
+        """A node of this group is being reclaimed (a drain with a deadline): checkpoint out of schedule, at
+        once and again as late as the deadline allows (app/train/preemption.py). Asked every step, on every
+        rank, which all take the same branches: the notice is agreed by Ray Train, the closing by a max."""
+        deadline = self.checkpoints.preemption_deadline() if self.checkpoints else None
+        now = time.perf_counter()
+        self.loop_seconds, self.last_drain_check = now - self.last_drain_check, now  # evaluations included
+        if deadline is None:
+            return False
+        if self.notice.is_new(deadline):
+            self.tracker.log_metrics({"preemption_notice_seconds_left": deadline - time.time()}, step,
+                                     once_per_step=False)
+            return True
+        closing = self.notice.closing(time.time(), self.loop_seconds, self.save_seconds)
+        if not self.notice.late_save_done and max_over_ranks(float(closing), self.ctx):
+            self.notice.late_save_taken()
+            self.tracker.log_metrics({"preemption_late_checkpoint_seconds_left": deadline - time.time()}, step,
+                                     once_per_step=False)
+            return True
+        return False
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the step's metrics.
@@ -178,7 +208,7 @@ class FinetuneRecipe:
         accumulation split takes the same step. Gradients are reduce-scattered once, after the last micro-batch.
         """
         ctx, objective, t0 = self.ctx, self.objective, time.perf_counter()
-        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps)]
+        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps_on(ctx.world_size))]
         data_wait = time.perf_counter() - t0
         normaliser = objective.normaliser(micro_batches)
         sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
@@ -208,6 +238,7 @@ class FinetuneRecipe:
         return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
                 "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
                 "data_wait_seconds": data_wait, "step_tokens": tokens, objective.normaliser_name: normaliser,
+                "workers": ctx.world_size,
                 **objective.step_figures(metric_totals, normaliser), **shares}
 
     def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
@@ -258,7 +289,8 @@ class FinetuneRecipe:
         self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,
                                                             self.ctx.device, self.best_adapter),
                               {"step": step, "train_loss": self.train_loss, **(summary or {})})
-        self.tracker.log_metrics({"checkpoint_save_seconds": time.perf_counter() - t_save}, step)
+        self.save_seconds = time.perf_counter() - t_save
+        self.tracker.log_metrics({"checkpoint_save_seconds": self.save_seconds}, step)
 
     def finish(self) -> dict[str, float]:
         """Every collective first (final eval, sample decoding, adapter gather, peak memory, the last

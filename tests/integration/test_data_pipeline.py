@@ -129,28 +129,39 @@ def test_a_sorted_file_gives_mixed_batches_and_every_pass_its_own_order(ray_clus
     assert in_file_order == ["first"] * 32 + ["second"] * 32  # data.shuffle=false: file order, dealt in turn
 
 
-def _consume(coordinator, rank: int, rows: int, skip_rows: int, tokenizer) -> list[str]:
+def _consume(coordinator, rank: int, world: int, rows: int, pass_rows_done: int, tokenizer) -> list[str]:
+    """`rows` answers of rank `rank`'s shard of pass 0 dealt to `world` ranks, after the pass's first
+    `pass_rows_done` rows (a checkpoint's position)."""
     def one_pass(epoch):
-        [shard] = ray.get(coordinator.shard.remote(epoch, rank))
+        [shard] = ray.get(coordinator.shard.remote(epoch, rank, world))
         return shard_batches(ray.get(shard), 1)
-    stream = ShardStream(one_pass, torch.device("cpu"), epoch=0, skip_rows=skip_rows)
+    stream = ShardStream(one_pass, torch.device("cpu"), 0, pass_rows_done, rank, world)
     return _answers([{k: v.numpy() for k, v in next(stream).items()} for _ in range(rows)], tokenizer)
 
 
 @pytest.mark.parametrize("packing", ["false", "true"])
-def test_a_resumed_pass_trains_every_record_exactly_once(ray_cluster, embedded, tokenizer, tmp_path, packing):
+def test_a_resumed_or_resized_pass_trains_every_record_exactly_once(ray_cluster, embedded, tokenizer, tmp_path,
+                                                                    packing):
     """Two ranks train the first rows of their shards, a checkpoint records the position, the job dies; a new
-    job (a new coordinator, the same seed and worker count) skips what was trained and finishes the pass."""
+    job (a new coordinator, the same seed and worker count) skips what was trained and finishes the pass. An
+    elastic group that shrank to one worker instead asks the same coordinator and finishes it alone."""
     cfg = make_config(tmp_path, embedded, f"data.packing={packing}", "data.max_seq_len=64")
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(48))
     train, _ = _train_data(cfg, tmp_path / "numbers.jsonl")
     first_job = start_pass_coordinator(train, 2, cfg.data)
     rows = ray.get(first_job.first_pass_figures.remote())["data_rows_per_worker_per_pass"]
-    whole = [a for rank in (0, 1) for a in _consume(first_job, rank, rows, 0, tokenizer)]
-    before = [a for rank in (0, 1) for a in _consume(first_job, rank, rows // 2, 0, tokenizer)]
+    whole = [a for rank in (0, 1) for a in _consume(first_job, rank, 2, rows, 0, tokenizer)]
+    before = [a for rank in (0, 1) for a in _consume(first_job, rank, 2, rows // 2, 0, tokenizer)]
+    done = rows // 2 * 2  # the pass rows both ranks trained
+
+    rows_on_one = ray.get(ray.get(first_job.shard.remote(0, 0, 1))[0]).num_rows
+    whole_on_one = _consume(first_job, 0, 1, rows_on_one, 0, tokenizer)
+    shrunk = _consume(first_job, 0, 1, rows_on_one - done, done, tokenizer)
+    assert sorted(before + shrunk) == sorted(whole_on_one)  # on one worker: the rest of the same pass
     ray.kill(first_job)
+
     second_job = start_pass_coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
-    after = [a for rank in (0, 1) for a in _consume(second_job, rank, rows - rows // 2, rows // 2, tokenizer)]
+    after = [a for rank in (0, 1) for a in _consume(second_job, rank, 2, rows - rows // 2, done, tokenizer)]
     assert before and after and sorted(before + after) == sorted(whole)  # each record once: none twice, none missed
     if packing == "false":
         assert sorted(whole) == sorted(number_in_words(n) for n in range(48))
@@ -174,7 +185,7 @@ def test_a_restarted_worker_group_gets_an_old_pass_again(ray_cluster, embedded, 
     cfg = make_config(tmp_path, embedded)
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
     coordinator = start_pass_coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
-    first = ray.get(ray.get(coordinator.shard.remote(0, 1))[0])
+    first = ray.get(ray.get(coordinator.shard.remote(0, 1, 2))[0])
     for epoch in (1, 2, 3):
-        ray.get(coordinator.shard.remote(epoch, 1))
-    assert ray.get(ray.get(coordinator.shard.remote(0, 1))[0]).equals(first)
+        ray.get(coordinator.shard.remote(epoch, 1, 2))
+    assert ray.get(ray.get(coordinator.shard.remote(0, 1, 2))[0]).equals(first)

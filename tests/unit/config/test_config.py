@@ -36,6 +36,24 @@ def test_gradient_accumulation_keeps_the_global_batch():
     assert (one.grad_accum_steps, two.grad_accum_steps) == (4, 2)
 
 
+def test_an_elastic_run_keeps_its_global_batch_on_every_worker_count_it_may_shrink_to():
+    cfg = load_config(None, ["train.global_batch_size=24", "train.micro_batch_size=2", "scaling.num_workers=4",
+                             "scaling.min_workers=2"])
+    assert cfg.scaling.elastic and list(cfg.scaling.worker_counts) == [2, 3, 4]
+    assert [cfg.grad_accum_steps_on(workers) for workers in cfg.scaling.worker_counts] == [6, 4, 3]
+    with pytest.raises(UserInputError, match=r"multiple of train.micro_batch_size x 3 workers = 6 \(an elastic "
+                                             r"group may shrink to scaling.min_workers=3\); change one of them$"):
+        load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "scaling.num_workers=4",
+                           "scaling.min_workers=3"])
+    with pytest.raises(UserInputError, match="scaling.min_workers=3 is more than scaling.num_workers=2"):
+        load_config(None, ["scaling.min_workers=3"])
+    with pytest.raises(UserInputError, match="an HSDP mesh is for a fixed worker count"):
+        load_config(None, ["scaling.num_workers=4", "scaling.mesh=[2,2]", "scaling.min_workers=2",
+                           "train.global_batch_size=48"])
+    fixed = load_config(None, ["scaling.min_workers=2"])  # min = num: a fixed group
+    assert not fixed.scaling.elastic and list(fixed.scaling.worker_counts) == [2]
+
+
 @pytest.mark.parametrize("override, message", [
     ("lora.rank=8", "unknown key (did you mean lora.r?)"),
     ("training.max_steps=8", "unknown key"),

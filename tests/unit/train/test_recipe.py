@@ -31,8 +31,9 @@ STEPS = ["train.max_steps=8", "train.log_every=1", "train.checkpoint_every=4", "
 class DirectoryCheckpoints:
     """Checkpoints as plain directories (what Ray Train does across nodes, here on one disk)."""
 
-    def __init__(self, root: Path, restore_from: Path | None = None):
+    def __init__(self, root: Path, restore_from: Path | None = None, notice_at_step: int | None = None):
         self.root, self.restore_from = root, restore_from
+        self.notice_at_step, self.steps = notice_at_step, 0  # a drain notice from that step on (a fresh run)
 
     def restore(self, load):
         return load(self.restore_from) if self.restore_from else None
@@ -41,6 +42,10 @@ class DirectoryCheckpoints:
         directory = self.root / f"step{metrics['step']}"
         directory.mkdir(parents=True, exist_ok=True)
         write(directory)
+
+    def preemption_deadline(self):
+        self.steps += 1
+        return 4102444800.0 if self.notice_at_step and self.steps >= self.notice_at_step else None
 
 
 class RecordingTracker:
@@ -81,14 +86,15 @@ def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: st
 
 
 def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: str) -> None:
-    """The whole run, then the same run restored from its first checkpoint (train.checkpoint_every)."""
+    """The whole run (told at step 6 that a node will be reclaimed), then the same run restored from its first
+    checkpoint (train.checkpoint_every)."""
     cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
     results = {}
     first_checkpoint = Path(out) / "whole" / f"step{cfg.train.checkpoint_every}"
     for name, restore_from in (("whole", None), ("restored", first_checkpoint)):
         tracker = RecordingTracker()
         summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
-                                 DirectoryCheckpoints(Path(out) / name, restore_from),
+                                 DirectoryCheckpoints(Path(out) / name, restore_from, 6 if name == "whole" else None),
                                  RunDir(str(Path(out) / name))).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics, "params": tracker.params}
     if rank == 0:
@@ -101,6 +107,9 @@ def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp
     whole, restored = results["whole"], results["restored"]
     loss = {int(step): m["train_loss"] for step, m in whole["metrics"].items() if "train_loss" in m}
     assert sorted(loss) == list(range(1, 9))
+    assert {int(s) for s, m in whole["metrics"].items() if "preemption_notice_seconds_left" in m} == {6}
+    # the notice's out-of-schedule checkpoint, once, beside the scheduled and the final ones
+    assert sorted(p.name for p in (tmp_path / "whole").glob("step*")) == ["step4", "step6", "step8"]
     assert whole["summary"]["final_eval_loss"] < 0.8 * whole["summary"]["initial_eval_loss"]
     assert loss[8] < loss[1]
 

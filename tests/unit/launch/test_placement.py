@@ -1,0 +1,59 @@
+"""Before any worker starts: the cluster holds the workers (an elastic run's fewest), and a run whose workers
+may land on several hosts writes where every host reads.
+
+Several hosts cannot exist on this one machine: `ray.nodes()` and `ray.cluster_resources()` are replaced by what
+a Ray cluster of two hosts reports (the multi-node integration tests run several nodes on one host, which share
+its disk)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from app.config.schema import load_config
+from app.errors import UserInputError
+from app.launch.driver import check_placement
+
+
+def _node(address: str, cpus: float, alive: bool = True) -> dict:
+    return {"NodeManagerAddress": address, "Alive": alive, "Resources": {"CPU": cpus}}
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    def hosts(*nodes: dict) -> None:
+        monkeypatch.setattr(ray, "nodes", lambda: list(nodes))
+        monkeypatch.setattr(ray, "cluster_resources",
+                            lambda: {"CPU": sum(n["Resources"]["CPU"] for n in nodes if n["Alive"])})
+    return hosts
+
+
+def test_workers_on_several_hosts_need_an_output_every_host_reads(cluster, tmp_path, monkeypatch):
+    monkeypatch.delenv("FINETUNE_STORAGE", raising=False)
+    cluster(_node("10.0.0.1", 0), _node("10.0.0.2", 4), _node("10.0.0.3", 4), _node("10.0.0.4", 4, alive=False))
+    local = load_config(None, [f"train.output_dir={tmp_path}"])
+    with pytest.raises(UserInputError) as e:
+        check_placement(local)
+    assert (f"train.output_dir={tmp_path} is a local path and the workers may run on 2 hosts (10.0.0.2, 10.0.0.3)"
+            in str(e.value)) and "\n" not in str(e.value)
+    check_placement(load_config(None, ["train.output_dir=s3://bucket/runs", "mlflow.tracking_uri=http://mlflow:5000"]))
+    check_placement(load_config(None, [f"train.output_dir={tmp_path}", "train.shared_output_dir=true"]))
+    monkeypatch.setenv("FINETUNE_STORAGE", str(tmp_path))
+    check_placement(load_config(None, [f"train.output_dir={tmp_path / 'runs'}"]))
+
+
+def test_several_nodes_of_one_host_share_its_disk(cluster, tmp_path):
+    cluster(_node("127.0.0.1", 0), _node("127.0.0.1", 1), _node("127.0.0.1", 1))
+    check_placement(load_config(None, [f"train.output_dir={tmp_path}"]))
+
+
+def test_an_elastic_run_needs_room_for_its_fewest_workers(cluster, tmp_path):
+    cluster(_node("127.0.0.1", 3))
+    elastic = ["scaling.num_workers=4", "scaling.min_workers=2", "train.global_batch_size=48",
+               f"train.output_dir={tmp_path}"]
+    check_placement(load_config(None, elastic))  # 4 wanted, 3 CPUs: starts on 2 or 3, grows when it can
+    with pytest.raises(UserInputError, match=r"^scaling.num_workers=4 needs 4 CPUs .* the cluster has 3"):
+        check_placement(load_config(None, ["scaling.num_workers=4", f"train.output_dir={tmp_path}"]))
+    cluster(_node("127.0.0.1", 1))
+    with pytest.raises(UserInputError, match=r"^scaling.min_workers=2 needs 2 CPUs .* lower scaling.min_workers"):
+        check_placement(load_config(None, elastic))

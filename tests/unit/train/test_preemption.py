@@ -1,0 +1,23 @@
+"""When a drain notice makes the run checkpoint: at once, and once more as late as the deadline allows."""
+
+import math
+
+from app.train.preemption import DrainNotice
+
+
+def test_a_notice_checkpoints_at_once_and_again_just_before_its_deadline():
+    notice = DrainNotice()
+    assert notice.is_new(1000.0) and not notice.is_new(1000.0)  # the same notice, seen again every step
+    # 1 s steps and 0.5 s saves: another step and a save fit until 4 s (2 x 1.5 + 1) before the deadline
+    assert not notice.closing(now=990.0, step_seconds=1.0, save_seconds=0.5)
+    assert not notice.closing(now=995.9, step_seconds=1.0, save_seconds=0.5)
+    assert notice.closing(now=996.5, step_seconds=1.0, save_seconds=0.5)
+    notice.late_save_taken()
+    assert not notice.closing(now=998.0, step_seconds=1.0, save_seconds=0.5)  # once per notice
+    assert notice.is_new(2000.0) and notice.closing(now=1999.0, step_seconds=1.0, save_seconds=0.5)  # a new one
+
+
+def test_a_notice_without_a_deadline_checkpoints_once():
+    notice = DrainNotice()
+    assert notice.is_new(math.inf)
+    assert not notice.closing(now=1e12, step_seconds=1.0, save_seconds=0.5)

@@ -313,8 +313,9 @@ class FinetuneConfig(_Section):
 
     @property
     def shard_group_size(self) -> int:
-        """Ranks each parameter is split over: every worker (FSDP), or the shard dimension of scaling.mesh (HSDP)."""
-        return self.scaling.mesh[1] if self.scaling.mesh else self.scaling.num_workers
+        """Ranks each parameter is split over: every worker (FSDP; an elastic run's smallest group, where each
+        worker holds the most), or the shard dimension of scaling.mesh (HSDP)."""
+        return self.scaling.mesh[1] if self.scaling.mesh else self.scaling.worker_counts[0]
 
     @property
     def grad_accum_steps(self) -> int:

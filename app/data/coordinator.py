@@ -42,14 +42,16 @@ class PassCache:
     in step between collectives (on tiny data a pass is a micro-batch, and a rank takes a step's micro-batches
     before any collective), so one may still ask for a pass that another has left behind."""
 
-    def __init__(self, build: Callable[[int], list], world_size: int):
+    def __init__(self, build: Callable[[int], list], world_size: int, first_pass: int | None = 0):
+        """`first_pass`: built at once, ahead of the first ask (None: nothing until asked)."""
         self._build_pass = build
         self._lock = threading.Lock()
         self._ready: dict[int, threading.Event] = {}
         self._built: dict[int, list | BaseException] = {}
         self._asked = [0] * world_size  # the pass each rank asked for last
-        with self._lock:
-            self._start(0)
+        if first_pass is not None:
+            with self._lock:
+                self._start(first_pass)
 
     def _start(self, epoch: int) -> threading.Event:
         """The event set once pass `epoch` is built, starting its build if none has; under the lock."""
@@ -115,11 +117,13 @@ class PassCoordinator:
     def shard(self, epoch: int, rank: int, world_size: int) -> list:
         """[a reference to this rank's rows of pass `epoch`, dealt to `world_size` ranks] (in a list: Ray would
         resolve a bare one). An elastic run's group that changed size gets passes dealt to its new size; the
-        passes of the old size are dropped."""
+        sizes before the last two are dropped."""
         with self._lock:
-            if world_size not in self._passes:
-                self._passes = {world_size: PassCache(functools.partial(self._build, world_size=world_size),
-                                                      world_size)}
+            if world_size not in self._passes:  # a resized group: it resumes mid-run, nothing to build ahead
+                self._passes[world_size] = PassCache(functools.partial(self._build, world_size=world_size),
+                                                     world_size, first_pass=None)
+                while len(self._passes) > 2:  # the group before the last may still have a late ask in flight
+                    del self._passes[next(iter(self._passes))]
             passes = self._passes[world_size]
         return [passes.shard(epoch, rank)]
 

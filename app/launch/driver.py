@@ -92,7 +92,8 @@ def state_api_address_pinned():
 
 def check_placement(cfg: FinetuneConfig) -> None:
     """The cluster must hold every worker at once (gang scheduling), or an elastic run's fewest: say so
-    before waiting forever. Workers that may land on several hosts need checkpoints every host reads."""
+    before waiting forever. On a cluster of several hosts (the driver's among them; workers may land on
+    any, and restart on another) the run's files must be where every host reads them."""
     have = ray.cluster_resources()
     workers = cfg.scaling.worker_counts[0]
     key = "scaling.min_workers" if cfg.scaling.elastic else "scaling.num_workers"
@@ -105,26 +106,21 @@ def check_placement(cfg: FinetuneConfig) -> None:
         raise UserInputError(
             f"{key}={workers} with scaling.use_gpu=true needs {workers} GPUs but the cluster has "
             f"{have.get('GPU', 0):g}; lower {key}, or set scaling.use_gpu=false to train on CPUs")
-    hosts = worker_hosts(cfg)
+    hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}  # nodes of one host: one
     if len(hosts) > 1 and not output_reaches_every_host(cfg):
         raise UserInputError(
-            f"train.output_dir={cfg.train.output_dir} is a local path and the workers may run on {len(hosts)} "
-            f"hosts ({', '.join(sorted(hosts)[:4])}), where a restarted worker could not read another host's "
-            "checkpoints: use a URI (s3://...), a path under $FINETUNE_STORAGE, or set "
-            "train.shared_output_dir=true if every host mounts it")
-
-
-def worker_hosts(cfg: FinetuneConfig) -> set[str]:
-    """The addresses of the live nodes that can hold a training worker (several nodes on one host are one)."""
-    need = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
-    return {node["NodeManagerAddress"] for node in ray.nodes()
-            if node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in need.items())}
+            f"train.output_dir={cfg.train.output_dir} is a local path and this cluster spans {len(hosts)} hosts "
+            f"({', '.join(sorted(hosts)[:4])}): the driver, the workers and a restarted worker could not read "
+            "each other's run files and checkpoints; use a URI (s3://...), a path under $FINETUNE_STORAGE, or "
+            "set train.shared_output_dir=true if every host mounts it")
 
 
 def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
-    storage = shared_storage()
-    return ("://" in cfg.train.output_dir or cfg.train.shared_output_dir
-            or bool(storage and Path(cfg.train.output_dir).is_relative_to(storage)))
+    output, storage = cfg.train.output_dir, shared_storage()
+    if "://" in output and not output.startswith("file://"):
+        return True
+    local = Path(output.removeprefix("file://")).resolve()
+    return cfg.train.shared_output_dir or bool(storage and local.is_relative_to(Path(storage).resolve()))
 
 
 def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:

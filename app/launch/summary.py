@@ -47,6 +47,7 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "best": {"metric": cfg.train.best_metric, "step": metrics.get("best_step"), "value": metrics.get("best_value"),
                  "exported": cfg.train.export == "best"},
         "stopped_early": bool(metrics.get("stopped_early")),
+        "workers": metrics.get("final_workers"),  # the group the figures below come from (an elastic run's last)
         "tokens_per_second": metrics["tokens_per_second_steady"],
         "time_to_first_step_seconds": metrics.get("time_to_first_step_seconds"),
         "startup_seconds": startup_timeline(startup.seconds | metrics),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -26,6 +25,9 @@ from app.train.recipe import FinetuneRecipe, NoTracking
 # Fault injection for the resilience tests, forwarded to the workers by the driver when set:
 FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": the last rank dies once mid-save at STEP
 PACE_ENV = "FINETUNE_FAULT_STEP_SECONDS"  # each step takes this much longer: nodes come and go within a short run
+# Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
+POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+NO_DEADLINE_RESTART_S = 120.0  # ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S
 
 
 class RayCheckpoints:
@@ -36,6 +38,7 @@ class RayCheckpoints:
     def __init__(self, rank: int, world_size: int):
         self.is_last_rank = rank == world_size - 1
         self.pace = float(os.environ.get(PACE_ENV, 0))
+        self.notice_seen_at: float | None = None
 
     def restore(self, load) -> TrainerState | None:
         checkpoint = ray.train.get_checkpoint()
@@ -51,13 +54,19 @@ class RayCheckpoints:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
     def preemption_deadline(self) -> float | None:
-        """Ray Train's notice that a node of this group is draining (what the autoscaler and
-        `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION` send); a barrier over the ranks."""
+        """Ray Train's notice that a node of this group is draining for preemption (a node's SIGTERM, which
+        Ray turns into a drain with a 30 s deadline, or `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`);
+        a barrier over the ranks. A notice without a deadline gets the one Ray Train applies: it restarts
+        the group 120 s after it noticed (a poll interval before this rank could)."""
         time.sleep(self.pace)  # 0 unless a test paces the steps (PACE_ENV)
         notice = ray.train.get_preemption_info()
         if notice is None:
+            self.notice_seen_at = None
             return None
-        return notice.deadline_ms / 1000 if notice.deadline_ms else math.inf
+        if notice.deadline_ms:
+            return notice.deadline_ms / 1000
+        self.notice_seen_at = self.notice_seen_at or time.time()
+        return self.notice_seen_at + NO_DEADLINE_RESTART_S - float(os.environ.get(POLL_ENV, 5.0))
 
     def _maybe_die_mid_save(self, step: int) -> None:
         """With FINETUNE_FAULT_DIE_IN_CHECKPOINT=STEP:MARKER set, the last rank SIGKILLs itself once,

@@ -57,7 +57,7 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     quantized = nf4_params(layers) if cfg.model.quantization == "nf4" else [0]
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     root_params = base + lora - sum(p.numel() for layer in layers for p in layer.parameters())
-    plan = MemoryPlan(cfg.scaling.num_workers, shard, base, lora)
+    plan = MemoryPlan(cfg.scaling.worker_counts[0], shard, base, lora)  # elastic: the smallest group
 
     # NF4 weights: on a one-rank shard group FSDP2 leaves them alone (not sharded, gathered or offloaded)
     nf4_bytes = sum(quantized) * NF4_BYTES_PER_PARAM

@@ -8,12 +8,10 @@ loses is the steps after that last one, not the whole notice window.
 
 from __future__ import annotations
 
-import math
-
 
 class DrainNotice:
     def __init__(self):
-        self.deadline: float | None = None  # the notice acted on (wall-clock seconds; inf: no deadline given)
+        self.deadline: float | None = None  # the notice acted on (wall-clock seconds)
         self.late_save_done = False
 
     def is_new(self, deadline: float) -> bool:
@@ -26,7 +24,7 @@ class DrainNotice:
     def closing(self, now: float, step_seconds: float, save_seconds: float) -> bool:
         """True when the last chance to save has come: another step and a save would not fit before the
         deadline with room to spare. Each rank answers from its own clock; the recipe takes any rank's yes."""
-        if self.late_save_done or self.deadline is None or math.isinf(self.deadline):
+        if self.late_save_done or self.deadline is None:
             return False
         return self.deadline - now < 2 * (step_seconds + save_seconds) + 1.0
 

@@ -75,8 +75,8 @@ class CheckpointStore(Protocol):
     def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
 
     def preemption_deadline(self) -> float | None:
-        """When a node of this group will be reclaimed (wall-clock seconds; inf: no deadline given), the same
-        answer on every rank; None: no notice. Asked once per step by every rank."""
+        """When a node of this group will be reclaimed (wall-clock seconds); None: no notice. Every rank sees
+        the notice at the same step. Asked once per step by every rank."""
 
 
 class FinetuneRecipe:
@@ -310,6 +310,7 @@ class FinetuneRecipe:
                    "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),
                    "worker_seconds": time.perf_counter() - self.started,
                    "best_step": self.best.step, "best_value": self.best.value,
+                   "final_workers": ctx.world_size,  # the last attempt's group: the figures above are its own
                    "stopped_early": float(self.stopped_early)}
         if self.checkpoints:
             self.save_checkpoint(self.step, summary)

@@ -28,18 +28,28 @@ def cluster(monkeypatch):
     return hosts
 
 
-def test_workers_on_several_hosts_need_an_output_every_host_reads(cluster, tmp_path, monkeypatch):
+def test_a_cluster_of_several_hosts_needs_an_output_every_host_reads(cluster, tmp_path, monkeypatch):
     monkeypatch.delenv("FINETUNE_STORAGE", raising=False)
     cluster(_node("10.0.0.1", 0), _node("10.0.0.2", 4), _node("10.0.0.3", 4), _node("10.0.0.4", 4, alive=False))
-    local = load_config(None, [f"train.output_dir={tmp_path}"])
-    with pytest.raises(UserInputError) as e:
-        check_placement(local)
-    assert (f"train.output_dir={tmp_path} is a local path and the workers may run on 2 hosts (10.0.0.2, 10.0.0.3)"
-            in str(e.value)) and "\n" not in str(e.value)
+    for output in (str(tmp_path), f"file://{tmp_path}"):
+        with pytest.raises(UserInputError) as e:
+            check_placement(load_config(None, [f"train.output_dir={output}", "mlflow.tracking_uri=http://mlflow:5000"]))
+        assert (f"train.output_dir={output} is a local path and this cluster spans 3 hosts (10.0.0.1, 10.0.0.2, "
+                "10.0.0.3)" in str(e.value)) and "\n" not in str(e.value)
     check_placement(load_config(None, ["train.output_dir=s3://bucket/runs", "mlflow.tracking_uri=http://mlflow:5000"]))
     check_placement(load_config(None, [f"train.output_dir={tmp_path}", "train.shared_output_dir=true"]))
     monkeypatch.setenv("FINETUNE_STORAGE", str(tmp_path))
     check_placement(load_config(None, [f"train.output_dir={tmp_path / 'runs'}"]))
+    with pytest.raises(UserInputError, match="is a local path"):  # not under the storage, however it is spelled
+        check_placement(load_config(None, [f"train.output_dir={tmp_path / 'runs' / '..' / '..' / 'elsewhere'}"]))
+
+
+def test_a_head_on_one_host_and_the_workers_on_another_is_two_hosts(cluster, tmp_path, monkeypatch):
+    """A KubeRay cluster with a CPU-less head pod and one GPU pod: the driver runs on the head."""
+    monkeypatch.delenv("FINETUNE_STORAGE", raising=False)
+    cluster(_node("10.0.0.1", 0), _node("10.0.0.2", 4))
+    with pytest.raises(UserInputError, match="this cluster spans 2 hosts"):
+        check_placement(load_config(None, [f"train.output_dir={tmp_path}"]))
 
 
 def test_several_nodes_of_one_host_share_its_disk(cluster, tmp_path):

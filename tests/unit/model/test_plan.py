@@ -28,6 +28,8 @@ def test_options_move_memory_the_way_fsdp_does(embedded):
     params = "parameters (sharded, stored dtype)"
     assert one.device[params] == pytest.approx(2 * two.device[params])
     assert plan("scaling.mesh=[2,1]").device[params] == pytest.approx(one.device[params])  # HSDP: replicas
+    elastic = plan("scaling.min_workers=1")  # may shrink to one worker: planned for it
+    assert elastic.workers == 1 and elastic.device[params] == pytest.approx(one.device[params])
     offload = plan("fsdp.cpu_offload=true", "scaling.use_gpu=true")  # offload is from GPUs to host memory
     assert params in offload.host and params not in offload.device
     gathered = "all-gathered parameters (compute dtype)"

@@ -1,7 +1,5 @@
 """When a drain notice makes the run checkpoint: at once, and once more as late as the deadline allows."""
 
-import math
-
 from app.train.preemption import DrainNotice
 
 
@@ -16,8 +14,3 @@ def test_a_notice_checkpoints_at_once_and_again_just_before_its_deadline():
     assert not notice.closing(now=998.0, step_seconds=1.0, save_seconds=0.5)  # once per notice
     assert notice.is_new(2000.0) and notice.closing(now=1999.0, step_seconds=1.0, save_seconds=0.5)  # a new one
 
-
-def test_a_notice_without_a_deadline_checkpoints_once():
-    notice = DrainNotice()
-    assert notice.is_new(math.inf)
-    assert not notice.closing(now=1e12, step_seconds=1.0, save_seconds=0.5)

@@ -15,7 +15,7 @@ setup: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -e '.[dev]' $(PIP_ARGS)  # modules compile when first imported
+	$(BIN)/pip install -q -e '.[dev]' $(PIP_ARGS)
 	touch $@
 
 $(EMBEDDED): | setup

@@ -11,11 +11,16 @@ EMBEDDED := .cache/embedded/model/config.json
 
 setup: $(BIN)/.installed
 
-# torch is pinned in pyproject.toml only; PIP_ARGS can add an index (e.g. PyTorch's CPU wheels)
+# torch is pinned in pyproject.toml only; PIP_ARGS can add an index (e.g. PyTorch's CPU wheels).
+# uv installs the stack with parallel downloads (about a minute where pip took three); it reads no pip.conf,
+# so pip's find-links (a local wheel of torch's CPU build, on this project's CI machines) is handed on, and it
+# resolves across indexes as pip does. Byte-compiled once here: jobs that start together then never compile
+# the same modules twice.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]' $(PIP_ARGS)
+	$(BIN)/pip install -q uv
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
+		$(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) -e '.[dev]' $(PIP_ARGS)
 	touch $@
 
 $(EMBEDDED): | setup

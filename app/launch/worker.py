@@ -24,7 +24,8 @@ from app.train.recipe import FinetuneRecipe, NoTracking
 
 # Fault injection for the resilience tests, forwarded to the workers by the driver when set:
 FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": the last rank dies once mid-save at STEP
-PACE_ENV = "FINETUNE_FAULT_STEP_SECONDS"  # each step takes this much longer: nodes come and go within a short run
+# "SECONDS[:STOP_FILE]": each step takes this much longer (until STOP_FILE exists): nodes come and go within a short run
+PACE_ENV = "FINETUNE_FAULT_STEP_SECONDS"
 # Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 NO_DEADLINE_RESTART_S = 120.0  # ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S
@@ -37,7 +38,6 @@ class RayCheckpoints:
 
     def __init__(self, rank: int, world_size: int):
         self.is_last_rank = rank == world_size - 1
-        self.pace = float(os.environ.get(PACE_ENV, 0))
         self.notice_seen_at: float | None = None
 
     def restore(self, load) -> TrainerState | None:
@@ -58,7 +58,7 @@ class RayCheckpoints:
         Ray turns into a drain with a 30 s deadline, or `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`);
         a barrier over the ranks. A notice without a deadline gets the one Ray Train applies: it restarts
         the group 120 s after it noticed (a poll interval before this rank could)."""
-        time.sleep(self.pace)  # 0 unless a test paces the steps (PACE_ENV)
+        _pace_step()
         notice = ray.train.get_preemption_info()
         if notice is None:
             self.notice_seen_at = None
@@ -78,6 +78,14 @@ class RayCheckpoints:
         if int(at_step) == step and not os.path.exists(marker):
             Path(marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pace_step() -> None:
+    """With FINETUNE_FAULT_STEP_SECONDS=SECONDS[:STOP_FILE] set, each step sleeps SECONDS more, until STOP_FILE
+    exists (a test that has made its nodes come and go lets the rest of the run go at full speed)."""
+    seconds, _, stop_file = os.environ.get(PACE_ENV, "0").partition(":")
+    if float(seconds) and not (stop_file and os.path.exists(stop_file)):
+        time.sleep(float(seconds))
 
 
 @dataclass(frozen=True)

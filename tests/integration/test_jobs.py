@@ -30,6 +30,9 @@ HF_SENTINEL = "hf_test_token_do_not_log_4f2a"  # stands in for a real hub token
 MLFLOW_SENTINEL = "mlflow_password_do_not_log_9b3d"  # the MLflow password in the cluster's tracking URI
 QUICK = ["train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
          "train.warmup_steps=1", "train.sample_prompts=2", "train.sample_max_new_tokens=8"]
+# What the stopped and swept jobs show does not depend on the worker count (the plain submit keeps the
+# default config's two; one against two workers is test_e2e's): a worker process less to start per job.
+ONE_WORKER = "scaling.num_workers=1"
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
 def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_processes(stack):
     run_name = "jobs-api-stopped"
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",
-                           *with_overrides(*NO_DECODING, "train.max_steps=400", "train.checkpoint_every=3",
+                           *with_overrides(*NO_DECODING, ONE_WORKER, "train.max_steps=400", "train.checkpoint_every=3",
                                            f"train.run_name={run_name}"))
     assert submitted.returncode == 0, submitted.stderr
     client = MlflowClient(stack["mlflow"])
@@ -196,7 +199,8 @@ def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack, t
     its run is on the tracking server, and its adapter is a registered version tied to that run."""
     swept = submit_cli(stack, "sweep", "--config", "jobs/configs/embedded.yaml", "--name", "lr-sweep",
                        "--grid", "train.learning_rate=1e-3,4e-3",
-                       *with_overrides(*QUICK, "eval.generation_rows=2", "mlflow.registered_model=jobs-api-demo"),
+                       *with_overrides(*QUICK, ONE_WORKER, "eval.generation_rows=2",
+                                       "mlflow.registered_model=jobs-api-demo"),
                        timeout=780)  # within pytest's 900 s, with time left for the checks
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
     table = swept.stdout.split("lr-sweep: 2 jobs submitted")[1]

@@ -121,11 +121,12 @@ def _runs_of_workers(workers: dict[int, float]) -> list[int]:
 def test_a_run_outlives_a_preempted_node_and_a_lost_one_and_grows_back(cluster, undisturbed, embedded, tmp_path):
     first, second = cluster.worker_nodes
     cfg = make_config(tmp_path, embedded, *RUN, *ELASTIC, "train.run_name=elastic")
-    log, out = tmp_path / "job.log", tmp_path / "job.out"
+    log, out, unpaced = tmp_path / "job.log", tmp_path / "job.out", tmp_path / "unpaced"
     with log.open("w") as stderr, out.open("w") as stdout:
         job = subprocess.Popen(
             job_command(embedded, cfg.train.output_dir, *RUN, *ELASTIC, "train.run_name=elastic"), cwd=REPO,
-            env=_job_env(cluster, FINETUNE_FAULT_STEP_SECONDS=str(STEP_PACE_S)), stdout=stdout, stderr=stderr)
+            env=_job_env(cluster, FINETUNE_FAULT_STEP_SECONDS=f"{STEP_PACE_S}:{unpaced}"), stdout=stdout,
+            stderr=stderr)
     history = RunHistory(cfg)
     try:
         # 1. a node is told it will be reclaimed: the run checkpoints before the deadline; at the deadline the
@@ -143,6 +144,8 @@ def test_a_run_outlives_a_preempted_node_and_a_lost_one_and_grows_back(cluster, 
         # 3. a node is lost without notice
         lost_at = time.time()
         cluster.remove_node(first)
+        history.wait_for(lambda: len(history.points("resumed_from_step")) == 3, "the group to restart", job, log)
+        unpaced.touch()  # nothing else comes or goes: the rest of the run at full speed
         job.wait(timeout=600)
     finally:
         if job.poll() is None:

@@ -24,22 +24,22 @@ def test_the_embedded_dpo_run_prefers_the_chosen_answers_and_its_adapter_shows_i
     pairs = data / "preference_eval.jsonl"
     cfg = load_config(CONFIG, [  # fewer steps than the demo's 150 (which reaches 0.93: see the README)
         f"model.path={embedded['model']}", f"data.train_path={data / 'preference_train.jsonl'}",
-        f"data.eval_path={pairs}", f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=40",
-        "train.eval_every=20", "train.log_every=1", "train.run_name=dpo",
+        f"data.eval_path={pairs}", f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=24",
+        "train.eval_every=12", "train.log_every=1", "train.run_name=dpo",
         "model.dtype=float32", "fsdp.param_dtype=float32"])  # the check below computes in fp32 too
     summary = run_finetune(cfg)
-    assert summary["steps"] == 40 and summary["initial_eval_loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert summary["steps"] == 24 and summary["initial_eval_loss"] == pytest.approx(0.6931, abs=1e-3)
     figures = {k: v for k, v in summary.items() if k.startswith("final_eval")}
     assert summary["final_eval_loss"] < 0.68 and summary["final_eval_rewards/margins"] > 0, figures
-    assert summary["final_eval_rewards/accuracies"] > 0.55, figures  # 0.93 after the demo's 150 steps
+    assert summary["final_eval_rewards/accuracies"] > 0.55, figures  # 0.67 here; 0.93 after the demo's 150
 
     client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.params["train.objective"] == "dpo"
     for name in (*METRICS, "step_pairs"):  # TRL's names: curves compare across tools
-        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 41)), name
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 25)), name
     for name in ("eval_loss", *(f"eval_{m}" for m in METRICS)):
-        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 20, 40], name
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 12, 24], name
     assert run.data.tags["best_metric"] == "eval_rewards/accuracies"
 
     out = subprocess.run([sys.executable, "-m", "benchmarks.reward_accuracy", "--base", str(embedded["model"]),

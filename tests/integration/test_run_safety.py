@@ -34,6 +34,9 @@ from tests.helpers import (
 pytestmark = pytest.mark.e2e
 QUICK = ["train.max_steps=12", "train.eval_every=12", "train.checkpoint_every=4", "train.log_every=1",
          "train.sample_prompts=2", "train.sample_max_new_tokens=4", *NO_DECODING]
+# The outage and S3 jobs: what they show does not depend on the worker count (one against two workers is
+# test_e2e's), and each starts its own Ray cluster: a worker process less to start.
+ONE_WORKER = "scaling.num_workers=1"
 
 
 def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
@@ -46,7 +49,7 @@ def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_th
     server, uri = start_mlflow(tmp_path / "mlflow")
     out, run_name = tmp_path / "outputs", "outage"
     env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
-    job = subprocess.Popen(job_command(embedded, out, *QUICK, f"mlflow.tracking_uri={uri}",
+    job = subprocess.Popen(job_command(embedded, out, *QUICK, ONE_WORKER, f"mlflow.tracking_uri={uri}",
                                        f"train.run_name={run_name}"), cwd=REPO, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
@@ -168,7 +171,7 @@ def test_a_run_on_an_s3_output_dir_keeps_everything_there_and_resumes_from_it(em
 
     env = {**os.environ, **s3_bucket}
     tracking = f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
-    command = job_command(embedded, "s3://runs/finetune", *QUICK, "train.max_steps=8", "train.eval_every=8",
+    command = job_command(embedded, "s3://runs/finetune", *QUICK, ONE_WORKER, "train.max_steps=8", "train.eval_every=8",
                           tracking, "train.run_name=on-s3")
     first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]

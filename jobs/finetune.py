@@ -58,7 +58,10 @@ def finetune(args: argparse.Namespace) -> int:
     if os.environ.get("HF_TOKEN"):
         print("hub token: HF_TOKEN is set (its value is never logged)", file=sys.stderr, flush=True)
 
-    summary = run_finetune(cfg, resume=bool(args.resume), verbose=args.verbose)
+    import psutil
+
+    summary = run_finetune(cfg, resume=bool(args.resume), verbose=args.verbose,
+                           started_at=psutil.Process().create_time())  # the timeline from the command
     import ray
 
     ray.shutdown()  # Ray prints what workers wrote until it disconnects: the summary comes after all of it

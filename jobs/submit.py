@@ -31,7 +31,6 @@ from app.config.paths import export_credentials
 from app.config.schema import load_config
 from app.errors import UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
-from app.tracking.mlflow_run import get_or_create_experiment, git_commit, reconcile_runs
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 SECRET_KEY = re.compile(r"(^|[._-])(password|passwd|secret|token|api_?key|access_key|credentials?)$", re.I)
@@ -96,6 +95,8 @@ def run_job(config: str, overrides: list[str], env: dict, resume: str | None = N
     if resume:
         command += ["--resume", resume]
     submission_id = cfg.train.run_name if not resume else f"{resume}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    from app.tracking.mlflow_run import git_commit  # MLflow (seconds) only for the commands that talk to it
+
     commit = git_commit()  # the uploaded working dir has no .git: the run's commit tag comes from here
     env = env | {"env_vars": (env.get("env_vars") or {}) | ({"GIT_COMMIT": commit} if commit else {})}
     return {"entrypoint": shlex.join(command), "submission_id": submission_id, "runtime_env": env,
@@ -121,6 +122,8 @@ def reconcile(client) -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return
+    from app.tracking.mlflow_run import reconcile_runs
+
     ended = {job.submission_id: str(job.status.value) for job in client.list_jobs()
              if job.submission_id and str(job.status.value) in TERMINAL}
     for line in reconcile_runs(export_credentials(uri), ended):
@@ -192,6 +195,8 @@ def plan_sweep(config: str, overrides: list[str], axes: list[str], name: str | N
 def run_sweep(client, sweep: Sweep, config: str, env: dict) -> int:
     """One job per grid point, grouped in MLflow under a parent run; waits, then prints the table."""
     from mlflow.tracking import MlflowClient
+
+    from app.tracking.mlflow_run import get_or_create_experiment
 
     mlflow = MlflowClient(sweep.tracking_uri)
     experiment_id = get_or_create_experiment(mlflow, sweep.experiment)

@@ -93,15 +93,45 @@ class PassCoordinator:
     It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
     its own process (an index permutation, packing, a gather per rank, put back in the object store): no
     Ray task runs during training, so a cluster whose CPUs the training workers hold never starves it.
-    Created by the driver, it outlives restarted worker groups, which get the same shards again.
+    Created by the driver, it outlives restarted worker groups, which get the same shards again. It is
+    created empty, so that the worker group can start while the driver builds the data: ranks that ask
+    before the driver has loaded the rows (or told it why it could not) wait for it.
     """
 
-    def __init__(self, blocks: list[list[ray.ObjectRef]], plan: PassPlan, pad_id: int, world_size: int,
-                 data: DataSection):
-        self.plan, self.pad_id, self.world_size, self.data = plan, pad_id, world_size, data
-        self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
+    def __init__(self, world_size: int, data: DataSection):
+        self.world_size, self.data = world_size, data
         self._lock = threading.Lock()
-        self._passes = {world_size: PassCache(functools.partial(self._build, world_size=world_size), world_size)}
+        self._loaded = threading.Event()
+        self._failure: str | None = None
+        self._passes: dict[int, PassCache] = {}
+
+    def load(self, blocks: list[list[ray.ObjectRef]], plan: PassPlan, pad_id: int,
+             eval_rows: list[ray.ObjectRef]) -> None:
+        """The training rows (each source's blocks), how passes draw from them, and the eval rows (a reference
+        in a list: read whole by every rank)."""
+        self.plan, self.pad_id, self._eval_rows = plan, pad_id, eval_rows
+        self.tables = [pa.concat_tables(ray.get(refs)) for refs in blocks]
+        with self._lock:
+            self._passes[self.world_size] = self._cache(self.world_size, first_pass=0)
+        self._loaded.set()
+
+    def fail(self, reason: str) -> None:
+        """The driver could not build the data: every rank that waits for it, or asks later, gets `reason`."""
+        self._failure = reason
+        self._loaded.set()
+
+    def _wait_for_data(self) -> None:
+        self._loaded.wait()
+        if self._failure is not None:
+            raise UserInputError(self._failure)
+
+    def eval_rows(self) -> list[ray.ObjectRef]:
+        """[a reference to the eval rows] (column -> array)."""
+        self._wait_for_data()
+        return self._eval_rows
+
+    def _cache(self, world_size: int, first_pass: int | None) -> PassCache:
+        return PassCache(functools.partial(self._build, world_size=world_size), world_size, first_pass)
 
     def _build(self, epoch: int, world_size: int) -> list[ray.ObjectRef]:
         rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
@@ -118,10 +148,10 @@ class PassCoordinator:
         """[a reference to this rank's rows of pass `epoch`, dealt to `world_size` ranks] (in a list: Ray would
         resolve a bare one). An elastic run's group that changed size gets passes dealt to its new size; the
         sizes before the last two are dropped."""
+        self._wait_for_data()
         with self._lock:
             if world_size not in self._passes:  # a resized group: it resumes mid-run, nothing to build ahead
-                self._passes[world_size] = PassCache(functools.partial(self._build, world_size=world_size),
-                                                     world_size, first_pass=None)
+                self._passes[world_size] = self._cache(world_size, first_pass=None)
                 while len(self._passes) > 2:  # the group before the last may still have a late ask in flight
                     del self._passes[next(iter(self._passes))]
             passes = self._passes[world_size]
@@ -129,7 +159,7 @@ class PassCoordinator:
 
     def first_pass_figures(self) -> dict[str, float]:
         """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised
-        (the driver asks before any worker starts)."""
+        (the driver asks as soon as it has loaded the rows)."""
         [ref] = self.shard(0, 0, self.world_size)
         rows = ray.get(ref)
         sides = 2 if "chosen_input_ids" in rows.column_names else 1  # a preference pair's row holds two sequences
@@ -137,23 +167,25 @@ class PassCoordinator:
         return {"data_rows_per_worker_per_pass": rows.num_rows, "data_row_fill": fill}
 
 
-def start_pass_coordinator(train: TrainData, world_size: int, data: DataSection):
-    """On the driver's node: the job ends with it anyway, and so does a job whose coordinator dies
-    (`--resume` then continues exactly). Not restartable: Ray logs an error line for any restartable actor
-    given object references (ray issue 53727), and its token rows are references the driver owns."""
+def start_pass_coordinator(world_size: int, data: DataSection):
+    """On the driver's node, empty (`load_passes` gives it the rows): the job ends with it anyway, and so does a
+    job whose coordinator dies (`--resume` then continues exactly). Not restartable: Ray logs an error line
+    for any restartable actor given object references (ray issue 53727), and its token rows are references
+    the driver owns. Threads for every rank's shard and eval rows, waiting at once, and the driver's calls."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return PassCoordinator.options(max_concurrency=world_size + 2, scheduling_strategy=here).remote(
-        [rows.to_arrow_refs() for rows in train.sources], train.plan, train.pad_id, world_size, data)
+    return PassCoordinator.options(max_concurrency=2 * world_size + 4, scheduling_strategy=here).remote(
+        world_size, data)
 
 
-def start_passes(train: TrainData, world_size: int, data: DataSection):
-    """(the pass coordinator, figures of its first pass); a pass that cannot be built fails here, in the
-    driver, with its one-line reason."""
-    coordinator = start_pass_coordinator(train, world_size, data)
+def load_passes(coordinator, train: TrainData, eval_rows: dict) -> dict[str, float]:
+    """Hands the coordinator the token rows and the eval rows; returns the figures of the first pass. A pass
+    that cannot be built fails here, in the driver, with its one-line reason."""
+    ray.get(coordinator.load.remote([rows.to_arrow_refs() for rows in train.sources], train.plan, train.pad_id,
+                                    [ray.put(eval_rows)]))
     try:
-        return coordinator, ray.get(coordinator.first_pass_figures.remote())
+        return ray.get(coordinator.first_pass_figures.remote())
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, UserInputError):
             raise e.cause from None

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import ray
@@ -23,9 +24,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id, shared_storage
 from app.config.schema import FinetuneConfig
-from app.data.coordinator import start_passes
+from app.data.coordinator import load_passes, start_pass_coordinator
+from app.data.passes import source_names
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
-from app.errors import UserInputError
+from app.errors import UserInputError, first_line
 from app.launch import console
 from app.launch.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
 from app.launch.summary import best_tags, job_summary
@@ -33,6 +35,7 @@ from app.launch.worker import FAULT_ENV, PACE_ENV, WorkerLaunch, train_worker
 from app.model.embedded import ensure_embedded
 from app.model.sharding import process_group_backend
 from app.runs.claim import claimed_run
+from app.runs.layout import is_uri
 from app.tracking import mlflow_run as tracking
 from app.train.progress import StartupClock
 
@@ -117,7 +120,7 @@ def check_placement(cfg: FinetuneConfig) -> None:
 
 def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
     output, storage = cfg.train.output_dir, shared_storage()
-    if "://" in output and not output.startswith("file://"):
+    if is_uri(output) and not output.startswith("file://"):  # a bucket; file:// is this host's disk
         return True
     local = Path(output.removeprefix("file://")).resolve()
     return cfg.train.shared_output_dir or bool(storage and local.is_relative_to(Path(storage).resolve()))
@@ -161,12 +164,53 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, d
     return train, eval_rows, stats
 
 
-def build_trainer(cfg: FinetuneConfig, train: TrainData, passes, eval_rows: dict, run_id: str,
-                  job_start_time: float, init_adapter: dict | None = None, verbose: bool = False) -> TorchTrainer:
+def prepare_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> TrainData:
+    """The token rows built and loaded into the pass coordinator, their figures logged; on failure the
+    coordinator is told why (ranks waiting for their first pass get the reason). Returns the rows, which the
+    driver holds until the run ends (the coordinator reads their blocks in place)."""
+    try:
+        train, eval_rows, data_stats = build_data(cfg, inputs)
+        pass_figures = load_passes(passes, train, eval_rows)
+    except BaseException as e:
+        passes.fail.remote(first_line(e))
+        raise
+    startup.reached("data_ready")
+    tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
+    return train
+
+
+def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:
+    """Whether the driver's Ray Data tasks (read, tokenize) find a CPU with every training worker placed:
+    then the worker group starts while the data is built, else after (the workers would hold every CPU
+    the data needs while they wait for it)."""
+    return ray.available_resources().get("CPU", 0) >= cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 1
+
+
+def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> Future:
+    """Step 4: the data, built in a thread beside the worker group's start where the cluster has CPUs to spare
+    for it; otherwise built here first (its errors raised before any worker starts)."""
+    built: Future = Future()
+
+    def build() -> None:
+        try:
+            built.set_result(prepare_data(cfg, inputs, passes, run_id, startup))
+        except BaseException as e:  # raised in the driver's main thread
+            built.set_exception(e)
+
+    if data_fits_beside_workers(cfg):  # asked before the data's tasks take CPUs
+        threading.Thread(target=build, name="data", daemon=True).start()
+    else:
+        build()
+        built.result()
+    return built
+
+
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, job_start_time: float,
+                  verbose: bool = False) -> TorchTrainer:
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, ray.put(eval_rows), train.plan.names, credentials,
-                          ray.put(init_adapter) if init_adapter is not None else None)
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, source_names([s.location for s in inputs.train]),
+                          credentials, ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {name: os.environ[name] for name in (FAULT_ENV, PACE_ENV) if name in os.environ}
     return TorchTrainer(
@@ -221,16 +265,21 @@ def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue:
     return run_id
 
 
-def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False) -> dict:
+def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False,
+                 started_at: float | None = None) -> dict:
     """Check, launch, train, record; returns the one-line JSON summary as a dict.
 
     With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
     same MLflow run, with whatever worker count the config now asks for. The summary comes from the
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
+    `started_at`: when the job began (the command's process start: the timeline then counts the driver's
+    imports too); now, if not given.
     """
-    t0, job_start_time = time.perf_counter(), time.time()
+    t0, job_start_time = time.perf_counter(), started_at or time.time()
     export_tracking_credentials()  # the config holds the tracking URI without them
     startup = StartupClock(job_start_time)
+    if started_at is not None:
+        startup.reached("driver_ready")
     cfg, inputs = check_everything(cfg)
     startup.reached("inputs_checked")
     with claimed_run(cfg, resume) as run_to_continue:
@@ -241,13 +290,14 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         startup.reached("mlflow_run_ready")
         status = "FAILED"
         try:
-            train, eval_rows, data_stats = build_data(cfg, inputs)
-            passes, pass_figures = start_passes(train, cfg.scaling.num_workers, cfg.data)
-            startup.reached("data_ready")
-            tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
-            trainer = build_trainer(cfg, train, passes, eval_rows, run_id, job_start_time, inputs.init_adapter,
-                                    verbose)
-            metrics = trainer.fit().metrics
+            passes = start_pass_coordinator(cfg.scaling.num_workers, cfg.data)
+            data = start_data(cfg, inputs, passes, run_id, startup)
+            try:
+                metrics = build_trainer(cfg, inputs, passes, run_id, job_start_time, verbose).fit().metrics
+            except Exception:
+                if data.exception() is not None:  # the workers stopped because the data could not be built
+                    raise data.exception() from None
+                raise
             status = "FINISHED"
             tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, metrics))
             model = log_model_quietly(cfg, run_id, metrics)

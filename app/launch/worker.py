@@ -1,4 +1,8 @@
-"""Ray Train's per-worker entry point: Ray context in, the plain recipe (app/train/recipe.py) out."""
+"""Ray Train's per-worker entry point: Ray context in, the plain recipe (app/train/recipe.py) out.
+
+The driver imports this module only to name `train_worker`: the training stack (transformers, PEFT, the
+recipe, distributed checkpointing: seconds of imports) loads inside it, in the worker processes.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import ray.train
@@ -17,10 +22,9 @@ import ray.train.torch
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import shard_batches
-from app.data.stream import column_batches
-from app.train.checkpoint import TrainerState
-from app.train.ranks import RankContext
-from app.train.recipe import FinetuneRecipe, NoTracking
+
+if TYPE_CHECKING:
+    from app.train.checkpoint import TrainerState
 
 # Fault injection for the resilience tests, forwarded to the workers by the driver when set:
 FAULT_ENV = "FINETUNE_FAULT_DIE_IN_CHECKPOINT"  # "STEP:MARKER": the last rank dies once mid-save at STEP
@@ -91,13 +95,13 @@ def _pace_step() -> None:
 @dataclass(frozen=True)
 class WorkerLaunch:
     """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
-    that gives each rank its shard of every pass over the training data (app.data.PassCoordinator)."""
+    that gives each rank its shard of every pass over the training data and the eval rows
+    (app.data.coordinator.PassCoordinator; they may still be being built when the workers start)."""
 
     config: FinetuneConfig
     mlflow_run_id: str
     job_start_time: float
     passes: ray.actor.ActorHandle
-    eval_rows: ray.ObjectRef  # the eval token rows (column -> array), read whole by every rank
     source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
     # MLflow credentials the driver took from a tracking URI (they never travel in the config); shipped
     # with the training function, never in a runtime env, job metadata or log
@@ -106,17 +110,24 @@ class WorkerLaunch:
 
 
 def train_worker(launch: WorkerLaunch) -> None:
+    from app.data.stream import column_batches
+    from app.train.ranks import RankContext
+    from app.train.recipe import FinetuneRecipe, NoTracking
+
     cfg = launch.config
     context = ray.train.get_context()
     ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
-    eval_rows = ray.get(launch.eval_rows)  # every rank holds the whole eval set (evaluation deals it out)
+    eval_rows: list[dict] = []  # every rank holds the whole eval set (evaluation deals it out), read once
 
     def train_pass(epoch: int):
         [rows] = ray.get(launch.passes.shard.remote(epoch, ctx.rank, ctx.world_size))
         return shard_batches(ray.get(rows), cfg.train.micro_batch_size)
 
     def eval_pass():
-        return column_batches(eval_rows, cfg.train.micro_batch_size, ctx.device)
+        if not eval_rows:
+            [rows] = ray.get(launch.passes.eval_rows.remote())
+            eval_rows.append(ray.get(rows))
+        return column_batches(eval_rows[0], cfg.train.micro_batch_size, ctx.device)
 
     export_tracking_credentials()  # the config holds the URI without them
     for variable, value in launch.mlflow_credentials.items():

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from app.data.coordinator import shard_batches, start_pass_coordinator
+from app.data.coordinator import load_passes, shard_batches, start_pass_coordinator
 from app.data.formatting import IGNORE_INDEX
 from app.data.passes import pass_order, take_rows
 from app.data.pipeline import build_eval_rows, build_train_data, is_held_out
@@ -129,6 +129,40 @@ def test_a_sorted_file_gives_mixed_batches_and_every_pass_its_own_order(ray_clus
     assert in_file_order == ["first"] * 32 + ["second"] * 32  # data.shuffle=false: file order, dealt in turn
 
 
+def _coordinator(train, world: int, data):
+    """The pass coordinator of a job, loaded with its rows (no eval rows: these tests never evaluate)."""
+    coordinator = start_pass_coordinator(world, data)
+    load_passes(coordinator, train, {})
+    return coordinator
+
+
+def test_ranks_that_ask_before_the_data_is_built_wait_for_it_or_get_why_it_failed(ray_cluster, embedded, tmp_path):
+    """The worker group starts while the driver builds the data: ranks asking for their first pass and the
+    eval rows wait until the driver loads them, and get what a coordinator loaded first would give; if the
+    driver cannot build the data, they get its reason instead of waiting forever."""
+    cfg = make_config(tmp_path, embedded)
+    write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
+    train, _ = _train_data(cfg, tmp_path / "numbers.jsonl")
+    early = start_pass_coordinator(2, cfg.data)
+    asked = [early.shard.remote(0, rank, 2) for rank in (0, 1)]
+    asked_eval = early.eval_rows.remote()
+    assert ray.wait([*asked, asked_eval], num_returns=3, timeout=2)[0] == []  # nothing to hand out yet
+    load_passes(early, train, {"input_ids": np.arange(3)})
+    loaded_first = _coordinator(train, 2, cfg.data)
+    for rank, ref in enumerate(asked):
+        assert ray.get(ray.get(ref)[0]).equals(ray.get(ray.get(loaded_first.shard.remote(0, rank, 2))[0]))
+    assert ray.get(ray.get(asked_eval)[0])["input_ids"].tolist() == [0, 1, 2]
+
+    failed = start_pass_coordinator(2, cfg.data)
+    waiting = failed.shard.remote(0, 1, 2)
+    failed.fail.remote("data.train_path: numbers has no record left to train on")
+    with pytest.raises(ray.exceptions.RayTaskError, match="numbers has no record left") as raised:
+        ray.get(waiting, timeout=60)
+    assert isinstance(raised.value.cause, UserInputError)
+    with pytest.raises(ray.exceptions.RayTaskError, match="no record left"):  # a rank that asks later too
+        ray.get(failed.eval_rows.remote(), timeout=60)
+
+
 def _consume(coordinator, rank: int, world: int, rows: int, pass_rows_done: int, tokenizer) -> list[str]:
     """`rows` answers of rank `rank`'s shard of pass 0 dealt to `world` ranks, after the pass's first
     `pass_rows_done` rows (a checkpoint's position)."""
@@ -148,7 +182,7 @@ def test_a_resumed_or_resized_pass_trains_every_record_exactly_once(ray_cluster,
     cfg = make_config(tmp_path, embedded, f"data.packing={packing}", "data.max_seq_len=64")
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(48))
     train, _ = _train_data(cfg, tmp_path / "numbers.jsonl")
-    first_job = start_pass_coordinator(train, 2, cfg.data)
+    first_job = _coordinator(train, 2, cfg.data)
     rows = ray.get(first_job.first_pass_figures.remote())["data_rows_per_worker_per_pass"]
     whole = [a for rank in (0, 1) for a in _consume(first_job, rank, 2, rows, 0, tokenizer)]
     before = [a for rank in (0, 1) for a in _consume(first_job, rank, 2, rows // 2, 0, tokenizer)]
@@ -160,7 +194,7 @@ def test_a_resumed_or_resized_pass_trains_every_record_exactly_once(ray_cluster,
     assert sorted(before + shrunk) == sorted(whole_on_one)  # on one worker: the rest of the same pass
     ray.kill(first_job)
 
-    second_job = start_pass_coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
+    second_job = _coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
     after = [a for rank in (0, 1) for a in _consume(second_job, rank, 2, rows - rows // 2, done, tokenizer)]
     assert before and after and sorted(before + after) == sorted(whole)  # each record once: none twice, none missed
     if packing == "false":
@@ -184,7 +218,7 @@ def test_a_restarted_worker_group_gets_an_old_pass_again(ray_cluster, embedded, 
     """Workers restarted from a checkpoint several passes back ask for a pass the coordinator has dropped."""
     cfg = make_config(tmp_path, embedded)
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
-    coordinator = start_pass_coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
+    coordinator = _coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
     first = ray.get(ray.get(coordinator.shard.remote(0, 1, 2))[0])
     for epoch in (1, 2, 3):
         ray.get(coordinator.shard.remote(epoch, 1, 2))

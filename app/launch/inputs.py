@@ -4,6 +4,7 @@ naming the key, file or line."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from dataclasses import dataclass
@@ -61,14 +62,13 @@ def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
         return None
     from app.model.init_adapter import check_init_adapter, read_adapter_weights
     from app.serve.models import Base, adapter_folder, base_of
+    from app.tracking.mlflow_run import fluent_tracking_uri
 
+    registry = fluent_tracking_uri(cfg.mlflow.tracking_uri) if source.startswith("models:/") else None
     try:
-        if source.startswith("models:/"):
-            import mlflow
-
-            mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-        folder = adapter_folder(source, cfg.train.output_dir)
-        trained_on = base_of(folder, source)
+        with registry or contextlib.nullcontext():
+            folder = adapter_folder(source, cfg.train.output_dir)
+            trained_on = base_of(folder, source)
     except ValueError as e:  # neither a folder, a run nor a registered version: it says where it looked
         raise UserInputError(f"model.init_adapter={source}: {first_line(e).removeprefix(f'adapter {source}: ')}") \
             from None

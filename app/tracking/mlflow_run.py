@@ -7,13 +7,16 @@ in the run directory's journal and sent later by `python -m jobs.sync` (app/trac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import subprocess
 import time
 import warnings
 from pathlib import Path
 
+import mlflow
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
@@ -25,6 +28,19 @@ from app.tracking.journal import Journal
 from app.tracking.logger import MAX_PARAM_CHARS, bound_http_calls
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def fluent_tracking_uri(uri: str):
+    """MLflow's fluent API (log_model, models:/ downloads) on `uri` for the block only. mlflow.set_tracking_uri
+    also exports $MLFLOW_TRACKING_URI, which every later config of this process (a second job run from a
+    notebook, the next test) would read as its own tracking URI: the previous value is put back."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None: unset
 
 
 def git_commit(cwd: str | Path = ".") -> str | None:

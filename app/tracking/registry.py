@@ -42,10 +42,12 @@ def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from app.tracking.mlflow_run import fluent_tracking_uri
+
     base = base_model_record(cfg)
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     adapter, _download = cfg.run_dir.local_copy(ADAPTER)  # the download lives as long as this call
-    with mlflow.start_run(run_id=run_id, log_system_metrics=False), warnings.catch_warnings():
+    with (fluent_tracking_uri(cfg.mlflow.tracking_uri), mlflow.start_run(run_id=run_id, log_system_metrics=False),
+          warnings.catch_warnings()):
         # an input example would make MLflow load the base model here to try it: none is given
         warnings.filterwarnings("ignore", message=".*input example was not provided")
         info = mlflow.pyfunc.log_model(

@@ -17,7 +17,7 @@ from app.data.formatting import tokenize_rows
 from app.data.packing import first_fit
 from app.errors import UserInputError
 from app.launch.driver import run_finetune
-from tests.helpers import NO_DECODING, chat, make_config, write_jsonl
+from tests.helpers import FP32, NO_DECODING, chat, make_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -166,7 +166,7 @@ def _one_global_batch(embedded, tmp_path, packing: bool) -> list[str]:
     order (data.shuffle=false: every pass packs the same), one row per micro-batch."""
     records = [json.loads(line) for line in embedded["train"].read_text().splitlines()[:40]]
     common = [*NO_DECODING, "train.max_steps=6", "train.eval_every=6", "train.log_every=1", "lora.dropout=0",
-              "train.warmup_steps=0", f"data.packing={str(packing).lower()}"]
+              "train.warmup_steps=0", f"data.packing={str(packing).lower()}", *FP32]
     if not packing:
         return [f"data.train_path={write_jsonl(tmp_path / 'batch.jsonl', records[:8])}", "train.global_batch_size=8",
                 "train.micro_batch_size=4", *common]

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import NO_DECODING, REPO, free_port, job_command, make_config
+from tests.helpers import FP32, NO_DECODING, REPO, free_port, job_command, make_config
 
 pytestmark = pytest.mark.e2e
 
 RUN = ["train.max_steps=60", "train.checkpoint_every=5", "train.eval_every=30", "train.log_every=1",
-       "train.warmup_steps=2", "train.sample_prompts=0", "scaling.num_workers=2", *NO_DECODING]
+       "train.warmup_steps=2", "train.sample_prompts=0", "scaling.num_workers=2", *NO_DECODING, *FP32]
 ELASTIC = ["scaling.min_workers=1", "scaling.placement_strategy=SPREAD", "scaling.resize_check_seconds=5",
            "train.max_failures=3"]
 DRAIN_DEADLINE_S = 20  # room for the notice (a 1 s poll and a step) and two saves on a loaded machine

@@ -25,7 +25,8 @@ def test_the_packing_check_passes_isolated_rows_and_sees_a_leak():
 def test_the_timed_step_trains_packed_rows_under_torchrun_over_a_full_and_an_nf4_base(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_SHAPE))
     flags = ["--model-config", str(tmp_path / "config.json"), "--seq-len", "64", "--micro-batch", "2", "--steps", "2",
-             "--warmup", "1", "--pack", "4", "--param-dtype", "float32"]
+             "--warmup", "1", "--pack", "4", "--param-dtype", "float32",
+             "--dtype", "float32"]  # stored in fp32 whatever the CPU (auto stores bf16 where it has bf16 units)
     full, nf4 = (run_step([*flags, "--quantization", quantization], limit=240) for quantization in ("none", "nf4"))
     for result in (full, nf4):
         assert "error" not in result, result.get("error")

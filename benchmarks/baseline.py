@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from app.model.sharding import init_torchrun_process_group
-from app.train.progress import peak_memory_gb, resident_memory_gb
+from app.train.progress import peak_memory_gb, private_memory_gb, resident_memory_gb
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rank, world, device = init_torchrun_process_group()
-    rss = {"imports": resident_memory_gb()}
+    rss, private = {"imports": resident_memory_gb()}, {"imports": private_memory_gb()}
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model_path).to(device)
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    rss["model_built"] = resident_memory_gb()
+    rss["model_built"], private["model_built"] = resident_memory_gb(), private_memory_gb()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     data = pretokenized(args.data, tokenizer, args.seq_len, rank, world)
     accum = args.global_batch // (args.micro_batch * world)
@@ -95,16 +95,19 @@ def main(argv=None) -> None:
         times.append(time.perf_counter() - t0)
         tokens.append(step_tokens)
         if first_step is None:
-            first_step, rss["first_step_done"] = time.perf_counter() - t_start, resident_memory_gb()
+            first_step, first_step_at = time.perf_counter() - t_start, time.time()
+            rss["first_step_done"], private["first_step_done"] = resident_memory_gb(), private_memory_gb()
     steady = slice(args.warmup, None)
     peak = torch.tensor(peak_memory_gb(device), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(json.dumps({"world_size": world, "steps": args.steps, "time_to_first_step_seconds": first_step,
+                          "first_step_at": first_step_at,
                           "tokens_per_second_per_worker": sum(tokens[steady]) / sum(times[steady]),
                           "peak_memory_gb": peak.item(), "step_seconds_median": statistics.median(times[steady]),
                           "step_seconds_mean_steady": statistics.mean(times[steady]),
-                          "rss_gb_rank0": {k: round(v, 2) for k, v in rss.items()}}),
+                          "rss_gb_rank0": {k: round(v, 2) for k, v in rss.items()},
+                          "private_gb_rank0": {k: round(v, 3) for k, v in private.items()}}),
               flush=True)
     dist.destroy_process_group()
 

@@ -1,7 +1,7 @@
 """The driver side of a run: check inputs, join or start Ray, build the datasets and the TorchTrainer.
 
-Order matters: everything a user can get wrong is checked before Ray starts, so a typo costs a
-second, not a cluster start.
+Order matters: everything a user can get wrong is checked before any worker starts (while Ray starts), so
+a typo costs seconds, not a worker group's start.
 """
 
 from __future__ import annotations
@@ -16,28 +16,29 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-import ray.train
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.config.paths import export_tracking_credentials, in_ray_job, ray_job_id, shared_storage
 from app.config.schema import FinetuneConfig
-from app.data.coordinator import load_passes, start_pass_coordinator
 from app.data.passes import source_names
-from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
 from app.errors import UserInputError, first_line
 from app.launch import console
-from app.launch.inputs import CheckedInputs, check_inputs, pin_hub_revision, with_loadable_model
 from app.launch.summary import best_tags, job_summary
 from app.launch.worker import FAULT_ENV, PACE_ENV, WorkerLaunch, train_worker
-from app.model.embedded import ensure_embedded
-from app.model.sharding import process_group_backend
 from app.runs.claim import claimed_run
 from app.runs.layout import is_uri
-from app.tracking import mlflow_run as tracking
 from app.train.progress import StartupClock
+
+# Imported where they are used, so that Ray starts before they load (importing this module takes Ray and the
+# config alone): the model stack (torch, transformers, PEFT) by the checks, while Ray starts; Ray Train, Ray
+# Data and MLflow by the steps that run beside the worker group's start.
+if TYPE_CHECKING:
+    from ray.train.torch import TorchTrainer
+
+    from app.data.pipeline import TrainData
+    from app.launch.inputs import CheckedInputs
 
 
 def joins_a_cluster() -> bool:
@@ -127,6 +128,8 @@ def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
 
 
 def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
+    from app.tracking import mlflow_run as tracking
+
     return {
         "mlflow.user": getpass.getuser(),  # the UI's "Created by" and "Source"
         "mlflow.source.name": "jobs.finetune",
@@ -143,6 +146,8 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
 def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, dict, dict[str, float]]:
     """Token rows of every train source, the eval rows, and what was dropped: rows that truncation to
     data.max_seq_len left without a target token are not trained on (a NaN-loss step otherwise)."""
+    from app.data.pipeline import build_eval_rows, build_train_data, read_records
+
     ray.data.DataContext.get_current().enable_progress_bars = False  # the job log keeps our progress line
     train, held_out = build_train_data(inputs.train, inputs.train_rows, inputs.tokenizer, cfg.model, cfg.data,
                                        cfg.train.seed, None if inputs.eval else cfg.data.eval_fraction,
@@ -164,18 +169,37 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, d
     return train, eval_rows, stats
 
 
-def prepare_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> TrainData:
-    """The token rows built and loaded into the pass coordinator, their figures logged; on failure the
-    coordinator is told why (ranks waiting for their first pass get the reason). Returns the rows, which the
-    driver holds until the run ends (the coordinator reads their blocks in place)."""
-    try:
-        train, eval_rows, data_stats = build_data(cfg, inputs)
-        pass_figures = load_passes(passes, train, eval_rows)
-    except BaseException as e:
-        passes.fail.remote(first_line(e))
-        raise
+def in_background(name: str, fn, *args, on_error=None) -> Future:
+    """`fn(*args)` in a daemon thread of the driver: its result, or what it raised, in the Future, which is
+    set before `on_error(exception)` tells anyone else (the main thread then finds it done)."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # raised in the driver's main thread, by whoever asks for the result
+            done.set_exception(e)
+            if on_error is not None:
+                on_error(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def prepare_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, mlflow_run: Future,
+                 startup: StartupClock) -> TrainData:
+    """The token rows built and loaded into the pass coordinator, their figures logged once the MLflow run is
+    open. Returns the rows, which the driver holds until the run ends (the coordinator reads their blocks
+    in place)."""
+    from app.data.coordinator import load_passes
+    from app.tracking import mlflow_run as tracking
+
+    train, eval_rows, data_stats = build_data(cfg, inputs)
+    pass_figures = load_passes(passes, train, eval_rows)
     startup.reached("data_ready")
-    tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
+    if mlflow_run.exception() is None:  # a run that could not be opened ends the job with its own reason
+        tracking.log_driver_metrics(cfg.mlflow.tracking_uri, mlflow_run.result(),
+                                    data_stats | pass_figures | startup.seconds)
     return train
 
 
@@ -186,30 +210,46 @@ def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:
     return ray.available_resources().get("CPU", 0) >= cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 1
 
 
-def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> Future:
-    """Step 4: the data, built in a thread beside the worker group's start where the cluster has CPUs to spare
-    for it; otherwise built here first (its errors raised before any worker starts)."""
-    built: Future = Future()
-
-    def build() -> None:
-        try:
-            built.set_result(prepare_data(cfg, inputs, passes, run_id, startup))
-        except BaseException as e:  # raised in the driver's main thread
-            built.set_exception(e)
-
+def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, mlflow_run: Future,
+               startup: StartupClock) -> Future:
+    """The data, built in a thread beside the worker group's start where the cluster has CPUs to spare
+    for it; otherwise built here first (its errors raised before any worker starts). On failure the
+    coordinator is told why (ranks waiting for their first pass get the reason)."""
+    tell_ranks = lambda e: passes.fail.remote(first_line(e))
     if data_fits_beside_workers(cfg):  # asked before the data's tasks take CPUs
-        threading.Thread(target=build, name="data", daemon=True).start()
-    else:
-        build()
-        built.result()
+        return in_background("data", prepare_data, cfg, inputs, passes, mlflow_run, startup, on_error=tell_ranks)
+    built: Future = Future()
+    try:
+        built.set_result(prepare_data(cfg, inputs, passes, mlflow_run, startup))
+    except BaseException as e:
+        tell_ranks(e)
+        raise
     return built
 
 
-def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, job_start_time: float,
+def train_on_workers(trainer: TorchTrainer, background: list[Future]) -> dict:
+    """The worker group trains (Ray Train's result: the final checkpoint's metrics); when the workers
+    stopped because the driver could not open the run or build the data, that reason is raised instead."""
+    try:
+        return trainer.fit().metrics
+    except Exception:
+        for task in background:
+            if task.done() and task.exception() is not None:
+                raise task.exception() from None
+        raise
+
+
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, job_start_time: float,
                   verbose: bool = False) -> TorchTrainer:
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from app.model.sharding import process_group_backend
+    from app.train import host_memory
+
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, source_names([s.location for s in inputs.train]),
+    launch = WorkerLaunch(cfg, job_start_time, passes, source_names([s.location for s in inputs.train]),
                           credentials, ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {name: os.environ[name] for name in (FAULT_ENV, PACE_ENV) if name in os.environ}
@@ -224,8 +264,9 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: st
             name=cfg.train.run_name, storage_path=cfg.train.output_dir,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection},
-            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING")),
+            worker_runtime_env={"env_vars": console.worker_env(verbose) | fault_injection |
+                                host_memory.worker_env(cfg.scaling.use_gpu, cfg.scaling.cpus_per_worker)},
+            logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING")),
         torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),
     )
 
@@ -244,25 +285,46 @@ def log_model_quietly(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
         return {}
 
 
-def check_everything(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedInputs]:
-    """Step 1, before Ray: the embedded demo built if the config reads it, a hub model pinned to its
-    commit, every input checked; returns the config as the workers will read it."""
+def check_everything(cfg: FinetuneConfig, startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
+    """While Ray starts (it is mostly Ray's own processes; this is the model stack's imports and the
+    checks): the embedded demo built if the config reads it, a hub model pinned to its commit, every input
+    checked; returns the config as the workers will read it."""
+    from app.launch.inputs import check_inputs, pin_hub_revision, with_loadable_model
+    from app.model.embedded import ensure_embedded
+
     ensure_embedded(cfg)
     cfg = pin_hub_revision(cfg)
     inputs = check_inputs(cfg)
+    startup.reached("inputs_checked")
     return with_loadable_model(cfg), inputs
 
 
-def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None) -> str:
-    """Step 3: a new MLflow run (recorded in the run directory), or the resumed one reopened."""
+def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None, passes,
+                    startup: StartupClock) -> str:
+    """Beside the worker group's start: a new MLflow run (recorded in the run directory), or the
+    resumed one reopened, handed to the ranks through the pass coordinator."""
+    from app.tracking import mlflow_run as tracking
+
     if run_to_continue is not None:
         tracking.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg), cfg.model.revision)
-        return run_to_continue
-    run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
-                                                    "data.eval_rows": inputs.eval_rows},
-                                [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
-    cfg.run_dir.write_record(run_id)
+        run_id = run_to_continue
+    else:
+        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                        "data.eval_rows": inputs.eval_rows},
+                                    [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+        cfg.run_dir.write_record(run_id)
+    passes.open_run.remote(run_id)
+    startup.reached("mlflow_run_ready")
     return run_id
+
+
+def finish_mlflow_run(cfg: FinetuneConfig, mlflow_run: Future, status: str) -> bool:
+    """The run ended with the job's status (once it is open; a run that could not be opened has nothing to end);
+    whether everything the run holds reached the tracking server."""
+    from app.tracking import mlflow_run as tracking
+
+    return mlflow_run.exception() is None and tracking.finish_run(cfg.mlflow.tracking_uri, mlflow_run.result(),
+                                                                    status, cfg.run_dir)
 
 
 def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False,
@@ -274,36 +336,40 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     `started_at`: when the job began (the command's process start: the timeline then counts the driver's
     imports too); now, if not given.
+
+    What overlaps: the checks run while Ray starts; the MLflow run opens and the data is built while Ray
+    Train starts the worker group (its controller, helper actors and worker processes take most of a job's
+    start), and the ranks wait for whichever they need first. No worker starts before the checks pass.
     """
     t0, job_start_time = time.perf_counter(), started_at or time.time()
     export_tracking_credentials()  # the config holds the tracking URI without them
     startup = StartupClock(job_start_time)
     if started_at is not None:
         startup.reached("driver_ready")
-    cfg, inputs = check_everything(cfg)
-    startup.reached("inputs_checked")
+    checked = in_background("checks", check_everything, cfg, startup)
+    init_ray(verbose)
+    startup.reached("ray_ready")
+    cfg, inputs = checked.result()
+    check_placement(cfg)
+    from app.data.coordinator import start_pass_coordinator  # Ray Data's types: loaded once Ray is up
+
     with claimed_run(cfg, resume) as run_to_continue:
-        init_ray(verbose)
-        check_placement(cfg)
-        startup.reached("ray_ready")
-        run_id = open_mlflow_run(cfg, inputs, run_to_continue)
-        startup.reached("mlflow_run_ready")
+        passes = start_pass_coordinator(cfg.scaling.num_workers, cfg.data)
+        mlflow_run = in_background("mlflow", open_mlflow_run, cfg, inputs, run_to_continue, passes, startup,
+                                   on_error=lambda e: passes.fail.remote(first_line(e)))
         status = "FAILED"
         try:
-            passes = start_pass_coordinator(cfg.scaling.num_workers, cfg.data)
-            data = start_data(cfg, inputs, passes, run_id, startup)
-            try:
-                metrics = build_trainer(cfg, inputs, passes, run_id, job_start_time, verbose).fit().metrics
-            except Exception:
-                if data.exception() is not None:  # the workers stopped because the data could not be built
-                    raise data.exception() from None
-                raise
+            data = start_data(cfg, inputs, passes, mlflow_run, startup)
+            metrics = train_on_workers(build_trainer(cfg, inputs, passes, job_start_time, verbose), [mlflow_run, data])
             status = "FINISHED"
+            run_id = mlflow_run.result()
+            from app.tracking import mlflow_run as tracking
+
             tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, metrics))
             model = log_model_quietly(cfg, run_id, metrics)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
             status = "KILLED"
             raise
         finally:
-            mlflow_synced = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
+            mlflow_synced = finish_mlflow_run(cfg, mlflow_run, status)
     return job_summary(cfg, run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)

@@ -52,6 +52,7 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "time_to_first_step_seconds": metrics.get("time_to_first_step_seconds"),
         "startup_seconds": startup_timeline(startup.seconds | metrics),
         "startup_rss_gb": startup_timeline(metrics, "startup_rss_gb"),
+        "startup_private_gb": startup_timeline(metrics, "startup_private_gb"),
         "data_wait_fraction": metrics["data_wait_fraction"],
         "step_seconds_mean_steady": metrics["step_seconds_mean_steady"],
         "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],

@@ -1,7 +1,8 @@
 """Ray Train's per-worker entry point: Ray context in, the plain recipe (app/train/recipe.py) out.
 
-The driver imports this module only to name `train_worker`: the training stack (transformers, PEFT, the
-recipe, distributed checkpointing: seconds of imports) loads inside it, in the worker processes.
+The driver imports this module only to name `train_worker`: Ray Train and the training stack (torch,
+transformers, PEFT, the recipe, distributed checkpointing: seconds of imports) load inside it, in the worker
+processes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
-import ray.train
-import ray.train.torch
 
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
-from app.data.coordinator import shard_batches
 
 if TYPE_CHECKING:
     from app.train.checkpoint import TrainerState
@@ -94,12 +92,11 @@ def _pace_step() -> None:
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
-    that gives each rank its shard of every pass over the training data and the eval rows
-    (app.data.coordinator.PassCoordinator; they may still be being built when the workers start)."""
+    """What the driver hands every worker: the validated config, and the actor that gives each rank its shard
+    of every pass over the training data, the eval rows and the MLflow run to log to
+    (app.data.coordinator.PassCoordinator; the driver may still be building them when the workers start)."""
 
     config: FinetuneConfig
-    mlflow_run_id: str
     job_start_time: float
     passes: ray.actor.ActorHandle
     source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
@@ -110,6 +107,13 @@ class WorkerLaunch:
 
 
 def train_worker(launch: WorkerLaunch) -> None:
+    from app.train.progress import StartupClock
+
+    startup = StartupClock(launch.job_start_time, memory=True)
+    startup.reached("train_fn_started")  # Ray Train's part of the start ends here; the training stack loads next
+    import ray.train.torch  # also what RayCheckpoints calls
+
+    from app.data.coordinator import shard_batches
     from app.data.stream import column_batches
     from app.train.ranks import RankContext
     from app.train.recipe import FinetuneRecipe, NoTracking
@@ -135,14 +139,15 @@ def train_worker(launch: WorkerLaunch) -> None:
     if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
         from app.tracking.logger import RunLogger
 
-        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir)
+        run_id = ray.get(launch.passes.run_id.remote())
+        tracker = RunLogger(cfg.mlflow.tracking_uri, run_id, cfg.run_dir)
     else:
         tracker = NoTracking()
-    system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
+    system = start_system_metrics(cfg, run_id) if ctx.is_main else None
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
                        cfg.run_dir, launch.job_start_time, launch.source_names,
-                       ray.get(launch.init_adapter) if launch.init_adapter is not None else None).train()
+                       ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup).train()
     finally:
         if system is not None:
             system.finish()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from app.data.formatting import IGNORE_INDEX
 from app.data.stream import to_device
+from app.train.host_memory import release_free_host_memory
 from app.train.loss import summed_token_loss, target_token_count
 from app.train.ranks import RankContext
 
@@ -40,6 +41,7 @@ def dealt_eval_sums(model, eval_pass: Callable[[], Iterable], ctx: RankContext,
     totals = None
     for i in range(math.ceil(len(batches) / ctx.world_size)):
         sums = score(mine[i] if i < len(mine) else batches[0])
+        release_free_host_memory()  # each batch has its own length: the heap would keep what it left
         if i < len(mine):
             totals = sums if totals is None else totals + sums
     if totals is None:  # this rank had no batch of its own; the stand-in forward gave the shape

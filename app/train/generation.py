@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from app.data.formatting import IGNORE_INDEX
+from app.train.host_memory import release_free_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_
     texts = greedy_batch(model, prompts, max_new_tokens, end_ids, pad_id, device,
                          lambda mine_done: _all_ranks_done(mine_done, device))
     model.train(was_training)
+    release_free_host_memory()  # decoding grows its inputs a token at a time: every step a new size
     decoded = {i: tokenizer.decode(t, skip_special_tokens=True) for i, t in zip(mine, texts)}
     gathered: list[dict[int, str] | None] = [None] * world
     dist.all_gather_object(gathered, decoded)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the driver's start-up clock is here too: it imports no torch
+    import torch
 
 
 def peak_memory_gb(device: torch.device) -> float:
     """CUDA: peak allocated by torch. CPU: peak resident set size of this process."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
@@ -43,10 +47,22 @@ def resident_memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def private_memory_gb() -> float:
+    """This process's private resident memory now (RssAnon: what it holds itself; RSS also counts the shared
+    libraries and file pages, memory-mapped weights among them, that the processes of a node share). 0 where
+    /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) / 2**20 for line in f if line.startswith("RssAnon:")), 0.0)
+    except OSError:
+        return 0.0
+
+
 class StartupClock:
     """Where the time to the first step goes: seconds from the job's start (wall clock, shared by the
     driver and the workers) to each point of start-up, as metrics `startup_seconds/<point>`, and the
-    process's resident memory there (`startup_rss_gb/<point>`, with `memory=True`: the workers)."""
+    process's resident and private memory there (`startup_rss_gb/<point>`, `startup_private_gb/<point>`,
+    with `memory=True`: the workers)."""
 
     def __init__(self, job_start_time: float, memory: bool = False):
         self.job_start_time, self.memory, self.seconds = job_start_time, memory, {}
@@ -55,6 +71,7 @@ class StartupClock:
         self.seconds[f"startup_seconds/{point}"] = time.time() - self.job_start_time
         if self.memory:
             self.seconds[f"startup_rss_gb/{point}"] = resident_memory_gb()
+            self.seconds[f"startup_private_gb/{point}"] = private_memory_gb()
 
 
 class ThroughputMeter:

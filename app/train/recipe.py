@@ -87,21 +87,22 @@ class FinetuneRecipe:
     `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
     With several `source_names` (a data mixture), batches carry each row's records per source, and the share of
     records each source has given so far is logged as `data_share/<name>`. `init_adapter` (model.init_adapter's
-    weights) is where the adapter starts, and with DPO the reference it is measured against.
+    weights) is where the adapter starts, and with DPO the reference it is measured against. `startup`: the
+    start-up clock the worker began (its points before this recipe existed), else one from now on.
     """
 
     def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
                  checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
                  job_start_time: float | None = None, source_names: tuple[str, ...] = (),
-                 init_adapter: dict[str, torch.Tensor] | None = None):
+                 init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.run_dir = checkpoints, run_dir
         self.job_start_time = job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
-        self.startup = StartupClock(self.job_start_time, memory=True)
+        self.startup = startup or StartupClock(self.job_start_time, memory=True)  # the worker's, if it began one
         self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
         self.source_names = source_names if len(source_names) > 1 else ()
         self.objective = objective_for(cfg)

@@ -84,6 +84,7 @@ class Watch:
                                                         "base": self._base.get(p.pid, 0.0) if p.create_time()
                                                         < self.began else 0.0})
                     entry["cpu"] = self._cpu(p) - entry["base"]
+                    entry.setdefault("curve", []).append((time.time(), entry["cpu"]))
                     entry["anon"] = max(entry["anon"], rss_anon(p.pid))
                     entry["name"] = " ".join(p.cmdline())[:160] or entry["name"]  # Ray renames its workers
                 except psutil.Error:
@@ -163,11 +164,13 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
 
 
 def cpu_by_process(watch: Watch, until: float) -> dict[str, float]:
-    """CPU seconds of the processes that spent over half a second, by what they are (all of them, to the end)."""
+    """CPU seconds spent until `until` (the first step) by the processes that spent over half a second, by
+    what they are: Ray names its actors' processes ray::<class>; others by their command."""
     groups: dict[str, float] = {}
     for e in watch.procs.values():
         name = e["name"].split(" ")[0] if e["name"].startswith("ray::") else " ".join(e["name"].split(" ")[:3])
-        groups[name] = groups.get(name, 0.0) + e["cpu"]
+        spent = max((cpu for t, cpu in e.get("curve", []) if t <= until), default=0.0)
+        groups[name] = groups.get(name, 0.0) + spent
     return {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1]) if v > 0.5}
 
 

@@ -7,6 +7,7 @@ when `model.trust_remote_code` is set.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
@@ -104,14 +105,23 @@ def apply_lora(base, lora: LoraSection, seed: int, reference: bool = False):
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
                         use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
                         bias="none")
-    with warnings.catch_warnings():  # PEFT 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with peft_on_transformers_5():
         model = get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
         if reference:  # PEFT leaves an added adapter frozen while "default" is the active one
             frozen = copy.deepcopy(config)
             frozen.lora_dropout, frozen.inference_mode = 0.0, True
             model.add_adapter(REFERENCE, frozen)
     return model
+
+
+@contextlib.contextmanager
+def peft_on_transformers_5():
+    """Around PEFT's model wrapping and adapter loading: PEFT 0.21 reads transformers 5's deprecated
+    `is_gradient_checkpointing`, a FutureWarning in every job's and server's log that no setting of ours
+    causes (PEFT's to change)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -86,6 +86,8 @@ def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "o
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from app.model.build import peft_on_transformers_5
+
     folders = {name: adapter_folder(source, output_dir) for name, source in adapters.items()}
     bases = {name: base_of(folders[name], source) for name, source in adapters.items()}
     first, *others = bases
@@ -102,7 +104,8 @@ def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "o
         (f for f in folders.values() if (f / "tokenizer_config.json").exists()), path), revision=revision)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, folders[first], adapter_name=first).eval()
-    for name in others:
-        model.load_adapter(folders[name], adapter_name=name)
+    with peft_on_transformers_5():
+        model = PeftModel.from_pretrained(model, folders[first], adapter_name=first).eval()
+        for name in others:
+            model.load_adapter(folders[name], adapter_name=name)
     return model, tokenizer

@@ -10,6 +10,7 @@ was trained on.
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import mlflow.models
@@ -46,7 +47,9 @@ class AdapterModel(mlflow.pyfunc.PythonModel):
                              "this adapter was trained on")
         self.tokenizer = AutoTokenizer.from_pretrained(adapter)
         model = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=torch.float32)
-        self.model = PeftModel.from_pretrained(model, adapter).eval()
+        with warnings.catch_warnings():  # PEFT 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            self.model = PeftModel.from_pretrained(model, adapter).eval()
         self.max_new_tokens = int(config.get("max_new_tokens", 64))
 
     def _prompt_ids(self, prompt: str) -> list[int]:

@@ -91,3 +91,14 @@ def test_a_registered_version_loads_only_on_its_recorded_base(registered, embedd
     assert set(model.peft_config) == {"demo", "noisy"}
     with pytest.raises(ValueError, match=r"^base .*: its weights' sha256 \w+ is not \w+, the base adapter demo"):
         load({"demo": registered}, base=str(altered_base))
+
+
+def test_serving_adapters_raises_no_deprecation_warning(adapters):
+    """PEFT 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` when it loads an adapter: the
+    server's own calls must not print it into every replica's log."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load({"noisy": adapters["noisy"], "other": adapters["other"]})
+    assert [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))] == []

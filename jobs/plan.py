@@ -49,8 +49,8 @@ def plan(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device-memory-gb {args.device_memory_gb:g}: must be more than 0 (one device's "
                              "memory in GiB, e.g. 80)")
     cfg = load_config(args.config, args.overrides)
-    from app.model.build import check_model_source
     from app.model.memory_plan import format_plan, plan_memory
+    from app.model.source import check_model_source
 
     if args.model_config:
         check_model_config_file(args.model_config)

@@ -94,17 +94,15 @@ class PassCoordinator:
     its own process (an index permutation, packing, a gather per rank, put back in the object store): no
     Ray task runs during training, so a cluster whose CPUs the training workers hold never starves it.
     Created by the driver, it outlives restarted worker groups, which get the same shards again. It is
-    created empty, so that the worker group can start while the driver builds the data and opens the
-    MLflow run: ranks that ask before the driver has handed over the rows (or the run's id), or told it why
-    it could not, wait for it.
+    created empty, so that the worker group can start while the driver builds the data: ranks that ask
+    before the driver has loaded the rows (or told it why it could not) wait for it.
     """
 
     def __init__(self, world_size: int, data: DataSection):
         self.world_size, self.data = world_size, data
         self._lock = threading.Lock()
-        self._loaded, self._run_opened = threading.Event(), threading.Event()
+        self._loaded = threading.Event()
         self._failure: str | None = None
-        self._run_id: str | None = None
         self._passes: dict[int, PassCache] = {}
 
     def load(self, blocks: list[list[ray.ObjectRef]], plan: PassPlan, pad_id: int,
@@ -117,30 +115,15 @@ class PassCoordinator:
             self._passes[self.world_size] = self._cache(self.world_size, first_pass=0)
         self._loaded.set()
 
-    def open_run(self, run_id: str) -> None:
-        """The MLflow run the driver opened (or reopened) for this job: rank 0 logs to it."""
-        self._run_id = run_id
-        self._run_opened.set()
-
     def fail(self, reason: str) -> None:
-        """The driver could not build the data or open the run: every rank that waits for either, or asks
-        later, gets `reason`."""
+        """The driver could not build the data: every rank that waits for it, or asks later, gets `reason`."""
         self._failure = reason
         self._loaded.set()
-        self._run_opened.set()
-
-    def _wait_for(self, ready: threading.Event) -> None:
-        ready.wait()
-        if self._failure is not None:
-            raise UserInputError(self._failure)
 
     def _wait_for_data(self) -> None:
-        self._wait_for(self._loaded)
-
-    def run_id(self) -> str:
-        """The job's MLflow run id, once the driver has opened the run."""
-        self._wait_for(self._run_opened)
-        return self._run_id
+        self._loaded.wait()
+        if self._failure is not None:
+            raise UserInputError(self._failure)
 
     def eval_rows(self) -> list[ray.ObjectRef]:
         """[a reference to the eval rows] (column -> array)."""
@@ -188,12 +171,11 @@ def start_pass_coordinator(world_size: int, data: DataSection):
     """On the driver's node, empty (`load_passes` gives it the rows): the job ends with it anyway, and so does a
     job whose coordinator dies (`--resume` then continues exactly). Not restartable: Ray logs an error line
     for any restartable actor given object references (ray issue 53727), and its token rows are references
-    the driver owns. Threads for every rank's shard and eval rows and rank 0's run id, waiting at once, and the
-    driver's calls."""
+    the driver owns. Threads for every rank's shard and eval rows, waiting at once, and the driver's calls."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return PassCoordinator.options(max_concurrency=2 * world_size + 5, scheduling_strategy=here).remote(
+    return PassCoordinator.options(max_concurrency=2 * world_size + 4, scheduling_strategy=here).remote(
         world_size, data)
 
 

@@ -27,7 +27,7 @@ from app.errors import UserInputError, first_line
 from app.launch import console
 from app.launch.summary import best_tags, job_summary
 from app.launch.worker import FAULT_ENV, PACE_ENV, WorkerLaunch, train_worker
-from app.runs.claim import claimed_run
+from app.runs.claim import check_run_dir, claimed_run
 from app.runs.layout import is_uri
 from app.train.progress import StartupClock
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
 
     from app.data.pipeline import TrainData
-    from app.launch.inputs import CheckedInputs
+    from app.launch.inputs import CheckedInputs, CheckedSources
 
 
 def joins_a_cluster() -> bool:
@@ -46,14 +46,15 @@ def joins_a_cluster() -> bool:
     return bool(os.environ.get("RAY_ADDRESS")) or in_ray_job()
 
 
-def init_ray(verbose: bool = False) -> None:
-    """Join the running cluster, or start a local, single-process-tree one sized to this machine.
+def init_ray(verbose: bool = False) -> bool:
+    """Join the running cluster, or start a local, single-process-tree one sized to this machine; whether this
+    call connected (a process already connected, as a test session is, keeps its cluster).
 
     The local cluster declares two logical CPUs more than the cores it runs on: the training
     workers hold one each, and Ray Data's read and tokenize tasks need room beside them.
     """
     if ray.is_initialized():
-        return
+        return False
     level = console.ray_logging_level(verbose)
     if joins_a_cluster():
         ray.init(logging_level=level)
@@ -66,6 +67,7 @@ def init_ray(verbose: bool = False) -> None:
         # Connecting put Ray core's C++ failure handler in front of ray.init's SIGTERM handler: it prints a
         # stack dump into the job log when `ray job stop` sends SIGTERM. Its Python handler alone stays.
         signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+    return True
 
 
 def free_local_port() -> int:
@@ -186,20 +188,16 @@ def in_background(name: str, fn, *args, on_error=None) -> Future:
     return done
 
 
-def prepare_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, mlflow_run: Future,
-                 startup: StartupClock) -> TrainData:
-    """The token rows built and loaded into the pass coordinator, their figures logged once the MLflow run is
-    open. Returns the rows, which the driver holds until the run ends (the coordinator reads their blocks
-    in place)."""
+def prepare_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> TrainData:
+    """The token rows built and loaded into the pass coordinator, their figures logged. Returns the rows, which
+    the driver holds until the run ends (the coordinator reads their blocks in place)."""
     from app.data.coordinator import load_passes
     from app.tracking import mlflow_run as tracking
 
     train, eval_rows, data_stats = build_data(cfg, inputs)
     pass_figures = load_passes(passes, train, eval_rows)
     startup.reached("data_ready")
-    if mlflow_run.exception() is None:  # a run that could not be opened ends the job with its own reason
-        tracking.log_driver_metrics(cfg.mlflow.tracking_uri, mlflow_run.result(),
-                                    data_stats | pass_figures | startup.seconds)
+    tracking.log_driver_metrics(cfg.mlflow.tracking_uri, run_id, data_stats | pass_figures | startup.seconds)
     return train
 
 
@@ -210,36 +208,34 @@ def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:
     return ray.available_resources().get("CPU", 0) >= cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 1
 
 
-def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, mlflow_run: Future,
-               startup: StartupClock) -> Future:
+def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, startup: StartupClock) -> Future:
     """The data, built in a thread beside the worker group's start where the cluster has CPUs to spare
     for it; otherwise built here first (its errors raised before any worker starts). On failure the
     coordinator is told why (ranks waiting for their first pass get the reason)."""
     tell_ranks = lambda e: passes.fail.remote(first_line(e))
     if data_fits_beside_workers(cfg):  # asked before the data's tasks take CPUs
-        return in_background("data", prepare_data, cfg, inputs, passes, mlflow_run, startup, on_error=tell_ranks)
+        return in_background("data", prepare_data, cfg, inputs, passes, run_id, startup, on_error=tell_ranks)
     built: Future = Future()
     try:
-        built.set_result(prepare_data(cfg, inputs, passes, mlflow_run, startup))
+        built.set_result(prepare_data(cfg, inputs, passes, run_id, startup))
     except BaseException as e:
         tell_ranks(e)
         raise
     return built
 
 
-def train_on_workers(trainer: TorchTrainer, background: list[Future]) -> dict:
-    """The worker group trains (Ray Train's result: the final checkpoint's metrics); when the workers
-    stopped because the driver could not open the run or build the data, that reason is raised instead."""
+def train_on_workers(trainer: TorchTrainer, data: Future) -> dict:
+    """The worker group trains (Ray Train's result: the final checkpoint's metrics); when the workers stopped
+    because the driver could not build the data, that reason is raised instead."""
     try:
         return trainer.fit().metrics
     except Exception:
-        for task in background:
-            if task.done() and task.exception() is not None:
-                raise task.exception() from None
+        if data.done() and data.exception() is not None:
+            raise data.exception() from None
         raise
 
 
-def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, job_start_time: float,
+def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, job_start_time: float,
                   verbose: bool = False) -> TorchTrainer:
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -249,7 +245,7 @@ def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, job_start_
 
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, job_start_time, passes, source_names([s.location for s in inputs.train]),
+    launch = WorkerLaunch(cfg, run_id, job_start_time, passes, source_names([s.location for s in inputs.train]),
                           credentials, ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     fault_injection = {name: os.environ[name] for name in (FAULT_ENV, PACE_ENV) if name in os.environ}
@@ -285,46 +281,41 @@ def log_model_quietly(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[s
         return {}
 
 
-def check_everything(cfg: FinetuneConfig, startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
-    """While Ray starts (it is mostly Ray's own processes; this is the model stack's imports and the
-    checks): the embedded demo built if the config reads it, a hub model pinned to its commit, every input
-    checked; returns the config as the workers will read it."""
-    from app.launch.inputs import check_inputs, pin_hub_revision, with_loadable_model
+def check_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:
+    """Before Ray starts: the embedded demo built if the config reads it, a hub model pinned to its commit,
+    what reads files alone (the model's directory, every data source and record: the commonest mistakes)."""
+    from app.launch.inputs import check_sources, pin_hub_revision
     from app.model.embedded import ensure_embedded
 
     ensure_embedded(cfg)
     cfg = pin_hub_revision(cfg)
-    inputs = check_inputs(cfg)
+    return cfg, check_sources(cfg)
+
+
+def check_model(cfg: FinetuneConfig, sources: CheckedSources,
+                startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
+    """While Ray starts (mostly Ray's own processes; this is the model stack's imports and the checks that
+    load it: app/launch/inputs.py); returns the config as the workers will read it, and every input."""
+    from app.launch.inputs import check_model_inputs, with_loadable_model
+    from app.tracking import mlflow_run  # noqa: F401  the driver's next step needs it: loaded here meanwhile
+
+    inputs = check_model_inputs(cfg, sources)
     startup.reached("inputs_checked")
     return with_loadable_model(cfg), inputs
 
 
-def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None, passes,
-                    startup: StartupClock) -> str:
-    """Beside the worker group's start: a new MLflow run (recorded in the run directory), or the
-    resumed one reopened, handed to the ranks through the pass coordinator."""
+def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None) -> str:
+    """A new MLflow run (recorded in the run directory), or the resumed one reopened."""
     from app.tracking import mlflow_run as tracking
 
     if run_to_continue is not None:
         tracking.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg), cfg.model.revision)
-        run_id = run_to_continue
-    else:
-        run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
-                                                        "data.eval_rows": inputs.eval_rows},
-                                    [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
-        cfg.run_dir.write_record(run_id)
-    passes.open_run.remote(run_id)
-    startup.reached("mlflow_run_ready")
+        return run_to_continue
+    run_id = tracking.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                    "data.eval_rows": inputs.eval_rows},
+                                [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+    cfg.run_dir.write_record(run_id)
     return run_id
-
-
-def finish_mlflow_run(cfg: FinetuneConfig, mlflow_run: Future, status: str) -> bool:
-    """The run ended with the job's status (once it is open; a run that could not be opened has nothing to end);
-    whether everything the run holds reached the tracking server."""
-    from app.tracking import mlflow_run as tracking
-
-    return mlflow_run.exception() is None and tracking.finish_run(cfg.mlflow.tracking_uri, mlflow_run.result(),
-                                                                    status, cfg.run_dir)
 
 
 def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False,
@@ -337,39 +328,45 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     `started_at`: when the job began (the command's process start: the timeline then counts the driver's
     imports too); now, if not given.
 
-    What overlaps: the checks run while Ray starts; the MLflow run opens and the data is built while Ray
-    Train starts the worker group (its controller, helper actors and worker processes take most of a job's
-    start), and the ranks wait for whichever they need first. No worker starts before the checks pass.
+    What overlaps: the checks that load the model stack run while Ray starts (a local cluster this call
+    starts is stopped again if they fail), and the data is built while Ray Train starts the worker group.
+    Everything a user can get wrong is refused before any worker starts; what reads only files (the model's
+    directory, the data, whether the run directory is free), before Ray starts.
     """
     t0, job_start_time = time.perf_counter(), started_at or time.time()
     export_tracking_credentials()  # the config holds the tracking URI without them
     startup = StartupClock(job_start_time)
     if started_at is not None:
         startup.reached("driver_ready")
-    checked = in_background("checks", check_everything, cfg, startup)
-    init_ray(verbose)
+    cfg, sources = check_files(cfg)
+    check_run_dir(cfg, resume)
+    checked = in_background("checks", check_model, cfg, sources, startup)
+    started_ray = init_ray(verbose)
     startup.reached("ray_ready")
-    cfg, inputs = checked.result()
+    try:
+        cfg, inputs = checked.result()
+    except BaseException:
+        if started_ray:  # nothing of this job is left running
+            ray.shutdown()
+        raise
     check_placement(cfg)
-    from app.data.coordinator import start_pass_coordinator  # Ray Data's types: loaded once Ray is up
-
     with claimed_run(cfg, resume) as run_to_continue:
-        passes = start_pass_coordinator(cfg.scaling.num_workers, cfg.data)
-        mlflow_run = in_background("mlflow", open_mlflow_run, cfg, inputs, run_to_continue, passes, startup,
-                                   on_error=lambda e: passes.fail.remote(first_line(e)))
+        run_id = open_mlflow_run(cfg, inputs, run_to_continue)
+        startup.reached("mlflow_run_ready")
+        from app.data.coordinator import start_pass_coordinator
+        from app.tracking import mlflow_run as tracking
+
         status = "FAILED"
         try:
-            data = start_data(cfg, inputs, passes, mlflow_run, startup)
-            metrics = train_on_workers(build_trainer(cfg, inputs, passes, job_start_time, verbose), [mlflow_run, data])
+            passes = start_pass_coordinator(cfg.scaling.num_workers, cfg.data)
+            data = start_data(cfg, inputs, passes, run_id, startup)
+            metrics = train_on_workers(build_trainer(cfg, inputs, passes, run_id, job_start_time, verbose), data)
             status = "FINISHED"
-            run_id = mlflow_run.result()
-            from app.tracking import mlflow_run as tracking
-
             tracking.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, metrics))
             model = log_model_quietly(cfg, run_id, metrics)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
             status = "KILLED"
             raise
         finally:
-            mlflow_synced = finish_mlflow_run(cfg, mlflow_run, status)
+            mlflow_synced = tracking.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)
     return job_summary(cfg, run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)

@@ -1,6 +1,8 @@
-"""Everything the driver checks before Ray starts: the model, its tokenizer and LoRA targets, whether packed
-rows keep its records apart, every data source and its records. A mistake costs a second and one line
-naming the key, file or line."""
+"""Everything the driver checks before any worker starts, in two parts: what reads only files (the model's
+directory, every data source and its records) before Ray starts, so that the commonest mistakes cost a
+second; what loads the model stack (its tokenizer and chat template, the LoRA targets on a weightless copy,
+whether packed rows keep its records apart, NF4 shapes, task metrics, model.init_adapter) while Ray starts.
+Either way one line naming the key, file or line."""
 
 from __future__ import annotations
 
@@ -11,38 +13,49 @@ from dataclasses import dataclass
 
 from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig, ModelSection
-from app.data.formatting import check_chat_template
 from app.data.sources import DataSource, check_source, resolve_source
 from app.errors import UserInputError, first_line
-from app.model.build import check_lora_targets, check_model_source, load_tokenizer
-from app.model.packing_probe import packing_problem
-from app.model.sharded_loading import sharded_loading_problem
-from app.train import task_metrics
+from app.model.source import check_model_source
 
 
 @dataclass(frozen=True)
-class CheckedInputs:
+class CheckedSources:
     train: list[DataSource]  # one per data.train_path source
     eval: DataSource | None
     train_rows: list[int]  # records of each train source (-1: remote, counted when read)
     eval_rows: int
-    tokenizer: object
+
+
+@dataclass(frozen=True)
+class CheckedInputs(CheckedSources):
+    tokenizer: object = None
     init_adapter: dict | None = None  # model.init_adapter's weights (saved key -> tensor)
 
 
-def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
-    """Every check that needs no cluster: model path, tokenizer, LoRA targets, data files and records."""
+def check_sources(cfg: FinetuneConfig) -> CheckedSources:
+    """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
+    local record."""
     check_model_source(cfg.model)
+    train = [resolve_source(path, "data.train_path") for path in cfg.data.train_paths]
+    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
+    train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
+    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
+    return CheckedSources(train, eval_, train_rows, eval_rows)
+
+
+def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInputs:
+    """What loads the model stack: the tokenizer and its chat template, the LoRA targets, NF4 shapes, packing,
+    task metrics, model.init_adapter; with the sources, everything the workers are handed."""
+    from app.data.formatting import check_chat_template
+    from app.model.build import check_lora_targets, load_tokenizer
+    from app.train import task_metrics
+
     try:
         tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first}") from None
     check_chat_template(tokenizer, "data.chat_template" if cfg.data.chat_template else f"model.path={cfg.model.path}")
-    train = [resolve_source(path, "data.train_path") for path in cfg.data.train_paths]
-    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
-    train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
-    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     check_lora_targets(cfg.model, cfg.lora)
     if cfg.model.quantization == "nf4":
         check_nf4_shapes(cfg)
@@ -50,7 +63,13 @@ def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
         check_packing(cfg.model)
     for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    return CheckedInputs(train, eval_, train_rows, eval_rows, tokenizer, read_init_adapter(cfg))
+    return CheckedInputs(sources.train, sources.eval, sources.train_rows, sources.eval_rows, tokenizer,
+                         read_init_adapter(cfg))
+
+
+def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
+    """Every check that needs no cluster, one part after the other."""
+    return check_model_inputs(cfg, check_sources(cfg))
 
 
 def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
@@ -103,6 +122,8 @@ def check_packing(model: ModelSection) -> None:
     is refused here, before any worker starts."""
     from transformers import AutoConfig
 
+    from app.model.packing_probe import packing_problem
+
     config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
     problem = packing_problem(config, model.attn_implementation, model.trust_remote_code)
     if problem:
@@ -114,6 +135,8 @@ def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:
     tensors to build a parameter (fused experts, ...), load the model whole instead, and say so."""
     if cfg.model.load != "sharded":
         return cfg
+    from app.model.sharded_loading import sharded_loading_problem
+
     problem = sharded_loading_problem(cfg.model)
     if problem is None:
         return cfg

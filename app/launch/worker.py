@@ -92,11 +92,12 @@ def _pace_step() -> None:
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """What the driver hands every worker: the validated config, and the actor that gives each rank its shard
-    of every pass over the training data, the eval rows and the MLflow run to log to
-    (app.data.coordinator.PassCoordinator; the driver may still be building them when the workers start)."""
+    """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
+    that gives each rank its shard of every pass over the training data and the eval rows
+    (app.data.coordinator.PassCoordinator; they may still be being built when the workers start)."""
 
     config: FinetuneConfig
+    mlflow_run_id: str
     job_start_time: float
     passes: ray.actor.ActorHandle
     source_names: tuple[str, ...]  # the train sources, in the order of the rows' `source` column
@@ -139,11 +140,10 @@ def train_worker(launch: WorkerLaunch) -> None:
     if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
         from app.tracking.logger import RunLogger
 
-        run_id = ray.get(launch.passes.run_id.remote())
-        tracker = RunLogger(cfg.mlflow.tracking_uri, run_id, cfg.run_dir)
+        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir)
     else:
         tracker = NoTracking()
-    system = start_system_metrics(cfg, run_id) if ctx.is_main else None
+    system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
                        cfg.run_dir, launch.job_start_time, launch.source_names,

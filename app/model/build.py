@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,29 +20,6 @@ from app.model.lora_init import init_lora_weights, rows_of_loaded_model
 
 if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a bare GPU box
     from app.config.schema import LoraSection, ModelSection
-
-
-def check_model_source(model: ModelSection) -> None:
-    """Fail fast, in the driver, on a model path that cannot load."""
-    path = Path(model.path)
-    if path.is_absolute() or path.exists():
-        if not path.is_dir():
-            raise UserInputError(f"model.path={model.path}: no such directory; build the embedded model with "
-                                 "`make embedded`, or give a Hugging Face model directory or hub id")
-        if not (path / "config.json").is_file():
-            raise UserInputError(f"model.path={model.path}: no config.json there; "
-                                 "expected a directory written by save_pretrained")
-        if not any(path.glob("*.safetensors")):
-            raise UserInputError(f"model.path={model.path}: no *.safetensors weights; convert the "
-                                 "checkpoint to safetensors (pickled .bin weights are not loaded)")
-        config = json.loads((path / "config.json").read_text())
-        if config.get("quantization_config"):
-            raise UserInputError(f"model.path={model.path} is quantized (quantization_config in config.json); "
-                                 "LoRA + FSDP2 here trains on unquantized weights: give the bf16/fp16/fp32 checkpoint")
-        auto_map = config.get("auto_map")
-        if auto_map and not model.trust_remote_code:
-            raise UserInputError(f"model.path={model.path} needs custom code (auto_map in config.json); "
-                                 "review it, then set model.trust_remote_code=true")
 
 
 def check_lora_targets(model: ModelSection, lora: LoraSection) -> None:

@@ -200,6 +200,15 @@ class RunClaim:
                 log.warning("%s: the claim was not renewed (%s)", self.file, e)
 
 
+def check_run_dir(cfg: FinetuneConfig, resume: bool) -> None:
+    """What `claimed_run` refuses, found without writing anything: another job holds the run, an earlier run
+    is there and --resume was not given, or --resume has nothing to continue."""
+    current = RunClaim(cfg.run_dir).current()
+    if current is not None and current.is_live():
+        raise _busy(cfg, current.owner)
+    _run_to_continue(cfg, resume)
+
+
 @contextmanager
 def claimed_run(cfg: FinetuneConfig, resume: bool):
     """Hold the run directory for this job; yields the MLflow run id to continue (None for a new run).
@@ -207,10 +216,7 @@ def claimed_run(cfg: FinetuneConfig, resume: bool):
     The run is checked before the claim (a mistake writes nothing) and again once it is held (another
     job may have started the run meanwhile)."""
     run_dir, claim, owner = cfg.run_dir, RunClaim(cfg.run_dir), this_process()
-    current = claim.current()
-    if current is not None and current.is_live():
-        raise _busy(cfg, current.owner)
-    _run_to_continue(cfg, resume)
+    check_run_dir(cfg, resume)
     try:
         claim.take(owner)
     except RunBusy as busy:

@@ -173,7 +173,8 @@ def build_data(cfg: FinetuneConfig, inputs: CheckedInputs) -> tuple[TrainData, d
 
 def in_background(name: str, fn, *args, on_error=None) -> Future:
     """`fn(*args)` in a daemon thread of the driver: its result, or what it raised, in the Future, which is
-    set before `on_error(exception)` tells anyone else (the main thread then finds it done)."""
+    set before `on_error(exception)` tells anyone else (the main thread then finds it done); a failure of
+    `on_error` itself prints nothing (no traceback from a thread after the job's own one-line error)."""
     done: Future = Future()
 
     def run() -> None:
@@ -182,7 +183,10 @@ def in_background(name: str, fn, *args, on_error=None) -> Future:
         except BaseException as e:  # raised in the driver's main thread, by whoever asks for the result
             done.set_exception(e)
             if on_error is not None:
-                on_error(e)
+                try:
+                    on_error(e)
+                except Exception:  # the job is ending already (Ray shut down): the main thread raises the reason
+                    pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return done

@@ -28,7 +28,7 @@ class CheckedSources:
 
 @dataclass(frozen=True)
 class CheckedInputs(CheckedSources):
-    tokenizer: object = None
+    tokenizer: object
     init_adapter: dict | None = None  # model.init_adapter's weights (saved key -> tensor)
 
 
@@ -63,13 +63,7 @@ def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedI
         check_packing(cfg.model)
     for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    return CheckedInputs(sources.train, sources.eval, sources.train_rows, sources.eval_rows, tokenizer,
-                         read_init_adapter(cfg))
-
-
-def check_inputs(cfg: FinetuneConfig) -> CheckedInputs:
-    """Every check that needs no cluster, one part after the other."""
-    return check_model_inputs(cfg, check_sources(cfg))
+    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=read_init_adapter(cfg))
 
 
 def read_init_adapter(cfg: FinetuneConfig) -> dict | None:

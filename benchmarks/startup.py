@@ -1,6 +1,6 @@
 """Start-up and memory side by side: the job, launched as its users launch it, against TRL and the seed's loop.
 
-    python -m benchmarks.startup [--repeats 2] [--steps 4] [--modes job submit trl seed]
+    python -m benchmarks.startup [--repeats 2] [--steps 4] [--modes job submit floor trl seed]
 
 On the realistic shape (benchmarks/realistic.py's long-tailed chats and 134M-parameter Llama shape, seq 512,
 2 workers, one packed row per worker per step, the job's `auto` compute dtype for every mode), each mode is
@@ -11,6 +11,9 @@ started the way a user starts it, and watched from outside:
   cluster/local-up.sh stack, started once here and stopped at the end), timed from the `ray job submit`
 - trl: `torchrun -m benchmarks.trl_sft` (TRL's SFTTrainer, its packing, PEFT LoRA, FSDP2)
 - seed: `torchrun -m benchmarks.baseline` (the seed's plain loop, one record per row)
+- floor: `python -m benchmarks.ray_floor`, Ray Train's own start: a local cluster and `TorchTrainer.fit()` of a
+  function that does nothing; its "first step" is when that function starts, the earliest any Ray Train
+  job's first step could begin on this machine
 
 For each run: seconds from the command to the end of the first optimizer step (the programs report its
 wall-clock time); the CPU seconds every process on the machine spent until then (the sum over processes of
@@ -40,8 +43,8 @@ from benchmarks.realistic import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-WORKER_MARKS = {"job": "ray::RayTrainWorker", "submit": "ray::RayTrainWorker", "trl": "benchmarks.trl_sft",
-                "seed": "benchmarks.baseline"}
+WORKER_MARKS = {"job": "ray::RayTrainWorker", "submit": "ray::RayTrainWorker", "floor": "ray::RayTrainWorker",
+                "trl": "benchmarks.trl_sft", "seed": "benchmarks.baseline"}
 
 
 def rss_anon(pid: int) -> int:
@@ -134,6 +137,9 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
         command = [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m", "jobs.finetune",
                    *config, *sets]
         env = stack["env"]
+    elif mode == "floor":
+        command, env = [sys.executable, "-m", "benchmarks.ray_floor", "--storage", str(Path(args.out).resolve())], \
+            dict(os.environ)
     else:
         script = "benchmarks.trl_sft" if mode == "trl" else "benchmarks.baseline"
         common = ["--model-path", str(model), "--seq-len", "512", "--micro-batch", "1", "--steps", str(args.steps),
@@ -154,7 +160,8 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
         timeline = {k: round(v + driver["created"] - started, 1) for k, v in summary["startup_seconds"].items()}
     else:
         summary = last_json(out.stdout)
-        first_step_at, timeline = summary["first_step_at"], {}
+        first_step_at = summary["first_step_at"]
+        timeline = {k.removesuffix("_s"): v for k, v in summary.items() if k.endswith("_s")}
     workers = watch.workers(WORKER_MARKS[mode])
     return {"first_step_from_command_s": round(first_step_at - started, 1),
             "cpu_seconds_before_first_step": round(watch.cpu_until(first_step_at), 1),
@@ -197,7 +204,8 @@ def start_stack(out: Path) -> dict:
 def median_figures(runs: list[dict]) -> dict:
     keys = ("first_step_from_command_s", "cpu_seconds_before_first_step")
     figures = {k: statistics.median(r[k] for r in runs) for k in keys}
-    figures["worker_peak_private_gib"] = statistics.median(max(r["worker_peak_private_gib"]) for r in runs)
+    figures["worker_peak_private_gib"] = statistics.median(max(r["worker_peak_private_gib"], default=0.0)
+                                                           for r in runs)  # a floor run can end before it is seen
     return figures
 
 
@@ -230,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["job", "submit", "trl", "seed"], choices=list(WORKER_MARKS))
+    parser.add_argument("--modes", nargs="+", default=["job", "submit", "floor", "trl", "seed"],
+                        choices=list(WORKER_MARKS))
     parser.add_argument("--dtype", default=None, help="the seed loop's dtype; default: the job's auto")
     parser.add_argument("--out", default="outputs/benchmark")
     args = parser.parse_args(argv)

@@ -102,6 +102,7 @@ def main(argv=None) -> None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(json.dumps({"world_size": world, "steps": args.steps, "time_to_first_step_seconds": first_step,
+                          "first_step_seconds": times[0],
                           "first_step_at": first_step_at,
                           "tokens_per_second_per_worker": sum(tokens[steady]) / sum(times[steady]),
                           "peak_memory_gb": peak.item(), "step_seconds_median": statistics.median(times[steady]),
@@ -109,6 +110,7 @@ def main(argv=None) -> None:
                           "rss_gb_rank0": {k: round(v, 2) for k, v in rss.items()},
                           "private_gb_rank0": {k: round(v, 3) for k, v in private.items()}}),
               flush=True)
+    dist.barrier()  # both ranks end the group together (gloo can abort a rank that leaves first)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """Start-up and memory side by side: the job, launched as its users launch it, against TRL and the seed's loop.
 
-    python -m benchmarks.startup [--repeats 2] [--steps 4] [--modes job submit floor trl seed]
+    python -m benchmarks.startup [--repeats 2] [--steps 4] [--modes job submit floor submit-floor trl seed]
 
 On the realistic shape (benchmarks/realistic.py's long-tailed chats and 134M-parameter Llama shape, seq 512,
 2 workers, one packed row per worker per step, the job's `auto` compute dtype for every mode), each mode is
@@ -14,6 +14,7 @@ started the way a user starts it, and watched from outside:
 - floor: `python -m benchmarks.ray_floor`, Ray Train's own start: a local cluster and `TorchTrainer.fit()` of a
   function that does nothing; its "first step" is when that function starts, the earliest any Ray Train
   job's first step could begin on this machine
+- submit-floor: the same function by `ray job submit` to the running cluster: the floor under the submit mode
 
 For each run: seconds from the command to the end of the first optimizer step (the programs report its
 wall-clock time); the CPU seconds every process on the machine spent until then (the sum over processes of
@@ -44,6 +45,7 @@ from benchmarks.realistic import prepare
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORKER_MARKS = {"job": "ray::RayTrainWorker", "submit": "ray::RayTrainWorker", "floor": "ray::RayTrainWorker",
+                "submit-floor": "ray::RayTrainWorker",
                 "trl": "benchmarks.trl_sft", "seed": "benchmarks.baseline"}
 
 
@@ -131,15 +133,16 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
     name = f"startup-{mode}-{time.strftime('%H%M%S')}-{index}"
     sets = [a for o in job_overrides(model, train, evals, args.steps, name) for a in ("--set", o)]
     config = ["--config", "jobs/configs/embedded.yaml"]
+    submit = [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python"]
+    floor = ["-m", "benchmarks.ray_floor", "--storage", str(Path(args.out).resolve())]
     if mode == "job":
         command, env = [sys.executable, "-m", "jobs.finetune", *config, *sets], dict(os.environ)
     elif mode == "submit":
-        command = [str(BIN / "ray"), "job", "submit", "--working-dir", ".", "--", "python", "-m", "jobs.finetune",
-                   *config, *sets]
-        env = stack["env"]
+        command, env = [*submit, "-m", "jobs.finetune", *config, *sets], stack["env"]
     elif mode == "floor":
-        command, env = [sys.executable, "-m", "benchmarks.ray_floor", "--storage", str(Path(args.out).resolve())], \
-            dict(os.environ)
+        command, env = [sys.executable, *floor], dict(os.environ)
+    elif mode == "submit-floor":
+        command, env = [*submit, *floor], stack["env"]
     else:
         script = "benchmarks.trl_sft" if mode == "trl" else "benchmarks.baseline"
         common = ["--model-path", str(model), "--seq-len", "512", "--micro-batch", "1", "--steps", str(args.steps),
@@ -167,6 +170,7 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
             "cpu_seconds_before_first_step": round(watch.cpu_until(first_step_at), 1),
             "worker_peak_private_gib": sorted(round(w["anon"] / 2**30, 3) for w in workers),
             "timeline_from_command_s": timeline,
+            "first_step_own_s": summary.get("first_step_seconds"),  # the step itself (the floor has none)
             "cpu_seconds_by_process": cpu_by_process(watch, first_step_at)}
 
 
@@ -212,7 +216,7 @@ def median_figures(runs: list[dict]) -> dict:
 def run(args) -> dict:
     out = Path(args.out)
     model, train, evals = prepare(out, 4000)
-    stack = start_stack(out) if "submit" in args.modes else None
+    stack = start_stack(out) if {"submit", "submit-floor"} & set(args.modes) else None
     try:
         runs = {mode: [] for mode in args.modes}
         for i in range(args.repeats):
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["job", "submit", "floor", "trl", "seed"],
+    parser.add_argument("--modes", nargs="+", default=["job", "submit", "floor", "submit-floor", "trl", "seed"],
                         choices=list(WORKER_MARKS))
     parser.add_argument("--dtype", default=None, help="the seed loop's dtype; default: the job's auto")
     parser.add_argument("--out", default="outputs/benchmark")

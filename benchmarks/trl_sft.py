@@ -180,11 +180,12 @@ def main(argv=None) -> None:
         real, target = counts[0].tolist(), counts[1].tolist()
         print(json.dumps({
             "world_size": world, "steps": args.steps, "dtype": "bfloat16" if bf16 else "float32",
-            "time_to_first_step_seconds": clock.step_ends[0] - T_START,
+            "time_to_first_step_seconds": clock.step_ends[0] - T_START, "first_step_seconds": seconds[0],
             "first_step_at": time.time() - (time.perf_counter() - clock.step_ends[0]),  # wall clock
             "tokens_per_second_per_worker": sum(real[steady]) / sum(seconds[steady]) / world,
             "target_tokens_per_step": target, "real_tokens_per_step": real,
             "peak_memory_gb": peak.item(), "final_eval_loss": final, "fsdp2": sharded}), flush=True)
+    dist.barrier()  # both ranks end the group together (gloo can abort a rank that leaves first)
     dist.destroy_process_group()
 
 

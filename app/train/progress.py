@@ -75,15 +75,16 @@ class StartupClock:
 
 
 class ThroughputMeter:
-    """Steady-state figures of an attempt: its first step (warm-up, compilation, first gathers) is left out."""
+    """Steady-state figures of an attempt: its first step (warm-up, compilation, first gathers) is left out of
+    them and reported on its own (its seconds and how many of them it waited for its first batch)."""
 
     def __init__(self):
         self.steps, self.tokens, self.seconds, self.data_wait = 0, 0.0, 0.0, 0.0
-        self._first = True
+        self.first_step: tuple[float, float] | None = None  # (seconds, data wait)
 
     def add(self, tokens: float, seconds: float, data_wait: float) -> None:
-        if self._first:
-            self._first = False
+        if self.first_step is None:
+            self.first_step = (seconds, data_wait)
             return
         self.steps += 1
         self.tokens += tokens
@@ -92,6 +93,8 @@ class ThroughputMeter:
 
     def summary(self) -> dict[str, float]:
         nan = float("nan")
-        return {"tokens_per_second_steady": self.tokens / self.seconds if self.seconds else nan,
+        first_seconds, first_wait = self.first_step or (nan, nan)
+        return {"first_step_seconds": first_seconds, "first_step_data_wait_seconds": first_wait,
+                "tokens_per_second_steady": self.tokens / self.seconds if self.seconds else nan,
                 "data_wait_fraction": self.data_wait / self.seconds if self.seconds else nan,
                 "step_seconds_mean_steady": self.seconds / self.steps if self.steps else nan}

@@ -155,6 +155,7 @@ class FinetuneRecipe:
                                    ctx.rank, ctx.world_size)
         self.train_loss, self.step = self.state.train_loss, self.state.step
         self.stopped_early = self.state.stopped_early
+        self.startup.reached("setup_done")  # optimizer, the restore check, step 0's figures logged
 
     def train(self) -> dict[str, float]:
         """setup, then the loop, then finish: what each worker runs."""

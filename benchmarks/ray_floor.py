@@ -1,12 +1,13 @@
-"""The floor under any Ray Train job's first step: a local Ray cluster started as the job starts one, and a
-`TorchTrainer.fit()` whose training function only reports when it began (its workers' process group is set
-up, as the job's is; no model, no data, no MLflow run).
+"""The floor under any Ray Train job's first step: Ray joined or started as the job does (a local cluster of
+its own, or under `ray job submit` the running one), and a `TorchTrainer.fit()` whose training function only
+reports when it began (its workers' process group is set up, as the job's is; no model, no data, no MLflow
+run).
 
     python -m benchmarks.ray_floor [--workers 2] [--storage DIR]
 
-Prints one JSON line: `first_step_at`, the wall-clock time the training function started (a real job's first
-step can only finish later), and the seconds from this process's start to Ray being up and to that point.
-benchmarks/startup.py runs it beside the job and TRL (`--modes floor`).
+Prints one JSON line of wall-clock times: `first_step_at`, when the training function started (a real job's
+first step can only finish later), and `ray_ready_at`, when Ray was up. benchmarks/startup.py runs it beside
+the job and TRL (`--modes floor`, and `submit-floor` by `ray job submit`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import psutil
 
 
 def note_start(config: dict) -> None:
@@ -35,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--storage", default=None, help="Ray Train's storage path; default: a new temporary one")
     args = parser.parse_args(argv)
-    began = psutil.Process().create_time()
-
     from app.launch.driver import init_ray
 
     init_ray()
@@ -50,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     TorchTrainer(note_start, train_loop_config={"mark": str(mark)},
                  scaling_config=ScalingConfig(num_workers=args.workers), run_config=run).fit()
     started = float(mark.read_text())
-    print(json.dumps({"first_step_at": started, "ray_ready_s": round(ray_ready - began, 1),
-                      "train_fn_started_s": round(started - began, 1)}), flush=True)
+    print(json.dumps({"first_step_at": started, "ray_ready_at": ray_ready}), flush=True)
     return 0
 
 

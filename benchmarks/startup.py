@@ -162,9 +162,10 @@ def run_mode(mode: str, args, model: Path, train: Path, evals: Path, stack: dict
         first_step_at = driver["created"] + summary["time_to_first_step_seconds"]
         timeline = {k: round(v + driver["created"] - started, 1) for k, v in summary["startup_seconds"].items()}
     else:
-        summary = last_json(out.stdout)
+        summary = last_json(out.stdout, '{"first_step_at"' if "floor" in mode else "{")
         first_step_at = summary["first_step_at"]
-        timeline = {k.removesuffix("_s"): v for k, v in summary.items() if k.endswith("_s")}
+        timeline = {k.removesuffix("_at"): round(v - started, 1) for k, v in summary.items()
+                    if k.endswith("_at") and k != "first_step_at"}
     workers = watch.workers(WORKER_MARKS[mode])
     return {"first_step_from_command_s": round(first_step_at - started, 1),
             "cpu_seconds_before_first_step": round(watch.cpu_until(first_step_at), 1),

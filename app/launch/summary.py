@@ -55,7 +55,7 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "startup_private_gb": startup_timeline(metrics, "startup_private_gb"),
         "data_wait_fraction": metrics["data_wait_fraction"],
         "step_seconds_mean_steady": metrics["step_seconds_mean_steady"],
-        "first_step_seconds": metrics.get("first_step_seconds"),  # its own, of which waiting for data:
+        "first_step_seconds": metrics.get("first_step_seconds"),  # the last attempt's, of which waiting for data:
         "first_step_data_wait_seconds": metrics.get("first_step_data_wait_seconds"),
         "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],
         "mlflow_synced": mlflow_synced,

@@ -47,11 +47,11 @@ def test_two_workers_learn_the_task(reference_run):
     assert summary["steps"] == 30
     assert summary["final_eval_loss"] < 0.5 * summary["initial_eval_loss"]
     assert summary["tokens_per_second"] > 0 and summary["peak_memory_gb"] > 0
-    # the first step is reported on its own, inside the start-up it ends
-    assert 0 <= summary["first_step_data_wait_seconds"] <= summary["first_step_seconds"]
+    # the first step is reported on its own: the start-up's last stretch, not a later or an average step
     points = summary["startup_seconds"]
     assert points["model_built"] < points["setup_done"] < points["first_step_done"]
-    assert summary["first_step_seconds"] <= points["first_step_done"] - points["setup_done"] + 0.1
+    assert summary["first_step_seconds"] == pytest.approx(points["first_step_done"] - points["setup_done"], abs=0.2)
+    assert 0 <= summary["first_step_data_wait_seconds"] < summary["first_step_seconds"]
 
 
 def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path):

@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # the actor's process imports this module: it stays free of t
     from app.data.pipeline import TrainData
 
 
+class DataNotBuilt(UserInputError):
+    """The driver could not build the data; the message is its one-line reason, which the driver reports."""
+
+
 def shard_batches(table: pa.Table, batch_size: int):
     """A shard's rows as micro-batches of numpy arrays (the last one may be smaller; every rank's shard has
     the same number of rows, so every rank gets the same number of batches)."""
@@ -123,7 +127,7 @@ class PassCoordinator:
     def _wait_for_data(self) -> None:
         self._loaded.wait()
         if self._failure is not None:
-            raise UserInputError(self._failure)
+            raise DataNotBuilt(self._failure)
 
     def eval_rows(self) -> list[ray.ObjectRef]:
         """[a reference to the eval rows] (column -> array)."""

@@ -230,13 +230,20 @@ def start_data(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, 
 
 def train_on_workers(trainer: TorchTrainer, data: Future) -> dict:
     """The worker group trains (Ray Train's result: the final checkpoint's metrics); when the workers stopped
-    because the driver could not build the data, that reason is raised instead."""
+    because the driver could not build the data (they end without an error of their own), that reason is
+    raised instead."""
     try:
-        return trainer.fit().metrics
+        metrics = trainer.fit().metrics
     except Exception:
-        if data.done() and data.exception() is not None:
-            raise data.exception() from None
+        raise_data_failure(data)
         raise
+    raise_data_failure(data)
+    return metrics
+
+
+def raise_data_failure(data: Future) -> None:
+    if data.done() and data.exception() is not None:
+        raise data.exception() from None
 
 
 def build_trainer(cfg: FinetuneConfig, inputs: CheckedInputs, passes, run_id: str, job_start_time: float,

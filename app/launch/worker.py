@@ -114,7 +114,7 @@ def train_worker(launch: WorkerLaunch) -> None:
     startup.reached("train_fn_started")  # Ray Train's part of the start ends here; the training stack loads next
     import ray.train.torch  # also what RayCheckpoints calls
 
-    from app.data.coordinator import shard_batches
+    from app.data.coordinator import DataNotBuilt, shard_batches
     from app.data.stream import column_batches
     from app.train.ranks import RankContext
     from app.train.recipe import FinetuneRecipe, NoTracking
@@ -148,6 +148,8 @@ def train_worker(launch: WorkerLaunch) -> None:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
                        cfg.run_dir, launch.job_start_time, launch.source_names,
                        ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup).train()
+    except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
+        return
     finally:
         if system is not None:
             system.finish()

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from app.data.coordinator import load_passes, shard_batches, start_pass_coordinator
+from app.data.coordinator import DataNotBuilt, load_passes, shard_batches, start_pass_coordinator
 from app.data.formatting import IGNORE_INDEX
 from app.data.passes import pass_order, take_rows
 from app.data.pipeline import build_eval_rows, build_train_data, is_held_out
@@ -158,7 +158,7 @@ def test_ranks_that_ask_before_the_data_is_built_wait_for_it_or_get_why_it_faile
     failed.fail.remote("data.train_path: numbers has no record left to train on")
     with pytest.raises(ray.exceptions.RayTaskError, match="numbers has no record left") as raised:
         ray.get(waiting, timeout=60)
-    assert isinstance(raised.value.cause, UserInputError)
+    assert isinstance(raised.value.cause, DataNotBuilt)  # what a waiting rank ends quietly on
     with pytest.raises(ray.exceptions.RayTaskError, match="no record left"):  # a rank that asks later too
         ray.get(failed.eval_rows.remote(), timeout=60)
 

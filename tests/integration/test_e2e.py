@@ -17,7 +17,7 @@ from app.data.formatting import tokenize_rows
 from app.data.packing import first_fit
 from app.errors import UserInputError
 from app.launch.driver import run_finetune
-from tests.helpers import FP32, NO_DECODING, chat, make_config, write_jsonl
+from tests.helpers import FP32, NO_DECODING, REPO, chat, job_command, make_config, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -202,18 +202,19 @@ def test_more_workers_than_the_cluster_holds_fails_before_any_run(ray_cluster, e
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 
-def test_data_found_empty_after_the_workers_started_ends_the_job_in_one_line(ray_cluster, embedded, tmp_path):
-    """The worker group starts while the driver builds the data (the session cluster has CPUs to spare for
-    it): data that leaves nothing to train on still ends the job with the driver's one line, and its MLflow
-    run FAILED, rather than workers waiting for rows that never come."""
-    from app.launch.driver import data_fits_beside_workers
-
+def test_data_found_empty_after_the_workers_started_ends_the_job_in_one_line(embedded, tmp_path):
+    """The worker group starts while the driver builds the data (a local cluster declares two CPUs more than
+    the cores: the data's tasks fit beside both workers): data that leaves nothing to train on still ends
+    the job with the driver's one line, no traceback from the ranks that waited for it, and its MLflow run
+    FAILED, rather than workers waiting for rows that never come."""
     answers_cut_off = write_jsonl(tmp_path / "long.jsonl", [chat("count " * 60, "seven") for _ in range(8)])
-    cfg = make_config(tmp_path, embedded, f"data.train_path={answers_cut_off}", "data.max_seq_len=16",
-                      "scaling.num_workers=1", "train.run_name=nothing-left")
-    assert data_fits_beside_workers(cfg)  # the path under test: the data built beside the worker group's start
-    with pytest.raises(UserInputError, match=r"^data.train_path: long has no record left to train on"):
-        run_finetune(cfg)
+    overrides = [f"data.train_path={answers_cut_off}", "data.max_seq_len=16", "train.run_name=nothing-left"]
+    job = subprocess.run(job_command(embedded, tmp_path / "outputs", *overrides), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert job.returncode == 2, job.stderr[-3000:]
+    assert job.stderr.strip().splitlines()[-1].startswith("error: data.train_path: long has no record left to train on")
+    assert "Traceback" not in job.stdout + job.stderr
+    cfg = make_config(tmp_path, embedded, *overrides)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     [run] = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id])
     assert run.info.status == "FAILED"

@@ -76,7 +76,7 @@ def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from app.config.schema import load_config
+    from app.config.loading import load_config
     from app.tracking.mlflow_run import get_or_create_experiment
 
     project = load_config(None)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from benchmarks.common import DEFAULT_OUT, last_json_line, step_flags, torchrun, write_and_log
 
 MODES = {"a_job": "(a) job", "b_torchrun_baseline": "(b) torchrun baseline", "c_step_only": "(c) step only"}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.model.memory_plan import plan_memory
 from benchmarks.common import DEFAULT_OUT, SHAPES, random_checkpoint, step_flags, torchrun, write_and_log
 

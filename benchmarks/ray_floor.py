@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--storage", default=None, help="Ray Train's storage path; default: a new temporary one")
     args = parser.parse_args(argv)
-    from app.launch.driver import init_ray
+    from app.launch.cluster import init_ray
 
     init_ray()
     ray_ready = time.time()

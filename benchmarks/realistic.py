@@ -55,7 +55,7 @@ def prepare(out: Path, records: int) -> tuple[Path, Path, Path]:
     """The random-weight model (with the embedded tokenizer) and the train and eval files, built once."""
     from transformers import AutoTokenizer
 
-    from app.config.schema import load_config
+    from app.config.loading import load_config
     from app.model.embedded import ensure_embedded
 
     cfg = load_config("jobs/configs/embedded.yaml")

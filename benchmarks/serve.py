@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from app.serve.models import adapter_folder, base_of
+from app.tracking.adapters import adapter_folder, base_of
 
 PROMPTS = ["Write 347 in words.", "Write 1208 in words.", "Write 56 in words.", "Write 9021 in words."]
 

@@ -26,22 +26,19 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
+from app.model.build import build_meta_lora_model, build_training_model
 from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.model.quantization import is_nf4, quantize_layer, stored_bytes
-from app.model.sharded_loading import (
-    allocate_local_shards,
-    build_meta_lora_model,
-    build_sharded_lora_model,
-    local_region,
-)
 from app.model.sharding import (
     build_device_mesh,
     init_torchrun_process_group,
+    local_region,
     shard_group_size,
     shard_model,
     trainable_parameters,
 )
+from app.model.slices import allocate_local_shards
 from app.train.loss import scaled_micro_batch_loss
 from app.train.progress import peak_memory_gb
 
@@ -114,7 +111,7 @@ def build(args, device: torch.device):
                                reshard_after_forward=not args.no_reshard_after_forward)
     mesh = build_device_mesh(device.type, args.mesh)
     if args.model_path:
-        return build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, 0, device)
+        return build_training_model(model_cfg, lora_cfg, fsdp_cfg, mesh, 0, device)
     random_nf4 = partial(quantize_layer, shards=shard_group_size(mesh), full_weight=lambda linear: torch.empty_like(
         linear.weight, device=device).normal_(0.0, 0.02))
     model = shard_model(build_meta_lora_model(model_cfg, lora_cfg, 0, config_file=args.model_config), mesh, fsdp_cfg,

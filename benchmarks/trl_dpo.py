@@ -81,7 +81,7 @@ def prepare(args) -> tuple[str, str, str]:
     """The model, train and eval paths: given, or the 125M random-weight shape and generated pairs."""
     from transformers import AutoTokenizer
 
-    from app.config.schema import load_config
+    from app.config.loading import load_config
     from app.model.embedded import ensure_embedded
     from benchmarks.common import SHAPES, random_checkpoint
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from app.config.loading import load_config
 from app.config.paths import why_unwritable
-from app.config.schema import load_config
 from app.errors import UserInputError, exit_code, first_line
 from app.runs.layout import ADAPTER_COMPLETE, ADAPTER_RUN_CONFIG
 

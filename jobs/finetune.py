@@ -16,8 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
+from app.config.loading import load_config
 from app.config.paths import why_unwritable
-from app.config.schema import load_config
 from app.errors import UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
 

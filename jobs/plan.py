@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError, exit_code, first_line
 
 
@@ -49,13 +49,13 @@ def plan(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device-memory-gb {args.device_memory_gb:g}: must be more than 0 (one device's "
                              "memory in GiB, e.g. 80)")
     cfg = load_config(args.config, args.overrides)
+    from app.model.files import check_model_files
     from app.model.memory_plan import format_plan, plan_memory
-    from app.model.source import check_model_source
 
     if args.model_config:
         check_model_config_file(args.model_config)
     else:
-        check_model_source(cfg.model)
+        check_model_files(cfg.model)
     try:
         memory = plan_memory(cfg, args.model_config)
     except UserInputError:

@@ -70,7 +70,7 @@ def adapters_by_name(specs: list[str]) -> dict[str, str]:
 def check_sources(adapters: dict[str, str], output_dir: str) -> None:
     """Every adapter's source exists, before Ray starts: a local folder or run is found; a registered version is
     asked of the tracking server once, without MLflow's minutes of retries (the replicas download it)."""
-    from app.serve.models import adapter_folder
+    from app.tracking.adapters import adapter_folder
 
     for name, source in adapters.items():
         try:
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from app.launch.driver import free_local_port, joins_a_cluster
+    from app.environment import joins_a_cluster
+    from app.launch.cluster import free_local_port
     from app.serve.api import key_digest
     from app.serve.server import ChatCompletions
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from app.config.loading import load_config
 from app.config.paths import export_credentials
-from app.config.schema import load_config
 from app.errors import UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
 

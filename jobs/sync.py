@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
+from app.config.loading import load_config
 from app.config.paths import export_tracking_credentials
-from app.config.schema import load_config
 from app.errors import exit_code
 from app.tracking.journal import Journal
 from app.tracking.logger import bound_http_calls

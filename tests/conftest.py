@@ -32,7 +32,7 @@ def ray_cluster():
     import ray
 
     # Two test processes may each run a cluster (make test: pytest -n 2): a bounded object store each.
-    from app.launch.driver import state_api_address_pinned
+    from app.launch.cluster import state_api_address_pinned
 
     # as a local job does: Ray Train's state API queries find this cluster (its dashboard costs a few seconds)
     with state_api_address_pinned() as port:

@@ -11,7 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from app.config.schema import FinetuneConfig, load_config
+from app.config.loading import load_config
+from app.config.schema import FinetuneConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
@@ -81,7 +82,7 @@ def start_mlflow_server(root: Path, **popen) -> tuple[subprocess.Popen, str]:
 # What the ranks of run_ranks import: a forkserver imports them once per test process and forks every
 # rank from it (a spawned rank would import torch, transformers and PEFT again: seconds per rank).
 RANK_IMPORTS = ["app", "torch", "torch.distributed.fsdp", "transformers", "peft", "app.train.recipe",
-                "app.model.sharded_loading", "tests.helpers"]
+                "app.model.build", "tests.helpers"]
 
 
 def run_ranks(fn, world: int, *args) -> None:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from app.config.section import Section
+from app.config.sections import Section
 
 
 class DpoSection(Section):
@@ -28,21 +28,3 @@ class DpoSection(Section):
             raise ValueError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss_type=sigmoid only "
                              f"(conservative DPO); set it to 0 for dpo.loss_type={self.loss_type}")
         return self
-
-
-def objective_data_problem(objective: str, data) -> str | None:
-    """Why the data section cannot feed train.objective (the data section is read, not typed, to keep this
-    module below the schema)."""
-    pairs = objective == "dpo"
-    if pairs and data.format not in ("auto", "preference"):
-        return (f"data.format={data.format} holds no preference pairs; train.objective=dpo reads "
-                "data.format=preference (or auto): records with prompt, chosen and rejected")
-    if not pairs and data.format == "preference":
-        return "data.format=preference holds pairs to prefer one answer of: set train.objective=dpo"
-    if pairs and data.packing and "packing" in data.model_fields_set:
-        return ("data.packing=true: preference pairs are not packed (chosen and rejected go through one forward "
-                "side by side); remove the key or set it false for train.objective=dpo")
-    if pairs and data.long_records == "split" and "long_records" in data.model_fields_set:
-        return ("data.long_records=split: a preference pair is truncated to data.max_seq_len (the prompt's end, "
-                "the answers' starts), never split; remove the key for train.objective=dpo")
-    return None

@@ -10,29 +10,12 @@ always does (or the job stops with one line, before anything starts).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from app.environment import STORAGE_ENV, in_ray_job, shared_storage
 from app.errors import UserInputError
-
-STORAGE_ENV = "FINETUNE_STORAGE"
-RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # what Ray gives the driver of a `ray job submit` job
-
-
-def in_ray_job() -> bool:
-    """True in the driver of a `ray job submit` job."""
-    return bool(os.environ.get(RAY_JOB_CONFIG_ENV))
-
-
-def ray_job_id() -> str | None:
-    """The submission id of the `ray job submit` job this driver runs in; None outside one."""
-    return json.loads(os.environ.get(RAY_JOB_CONFIG_ENV) or "{}").get("metadata", {}).get("job_submission_id")
-
-
-def shared_storage() -> str | None:
-    return os.environ.get(STORAGE_ENV) or None
 
 
 def looks_local(path: str) -> bool:

@@ -2,9 +2,9 @@
 
 Each pass is built the same way for every rank (app/data/passes.py): each source's share of rows,
 shuffled together with the pass's seed, packed (app/data/packing.py) or one record per row, and dealt to
-the ranks in turn. The same seed, pass and worker count always give the same shards, so a restarted or
-resumed run sees the rest of an interrupted pass exactly once. `shard_batches` is the worker's side: its
-shard as micro-batches.
+the ranks in turn. The same seed, pass and worker count always give the same rows to each rank, so a restarted or
+resumed run sees the rest of an interrupted pass exactly once. `batches_of` is the worker's side: its
+rows as micro-batches.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from app.data.passes import PassPlan, deal, pass_records, take_rows
 from app.errors import UserInputError
 
 if TYPE_CHECKING:  # the actor's process imports this module: it stays free of torch, pydantic and the pipeline
-    from app.config.schema import DataSection
+    from app.config.sections import DataSection
     from app.data.pipeline import TrainData
 
 
@@ -31,8 +31,8 @@ class DataNotBuilt(UserInputError):
     """The driver could not build the data; the message is its one-line reason, which the driver reports."""
 
 
-def shard_batches(table: pa.Table, batch_size: int):
-    """A shard's rows as micro-batches of numpy arrays (the last one may be smaller; every rank's shard has
+def batches_of(table: pa.Table, batch_size: int):
+    """A rank's rows as micro-batches of numpy arrays (the last one may be smaller; every rank's part has
     the same number of rows, so every rank gets the same number of batches)."""
     from ray.data.block import BlockAccessor
 
@@ -41,8 +41,8 @@ def shard_batches(table: pa.Table, batch_size: int):
 
 
 class PassCache:
-    """Each pass built once for all ranks, in a thread, and the next one ahead. `build(epoch)` returns the
-    pass's shards, one per rank. A pass is dropped once every rank has asked for a later one: ranks are not
+    """Each pass built once for all ranks, in a thread, and the next one ahead. `build(pass_index)` returns the
+    pass's rows for each rank. A pass is dropped once every rank has asked for a later one: ranks are not
     in step between collectives (on tiny data a pass is a micro-batch, and a rank takes a step's micro-batches
     before any collective), so one may still ask for a pass that another has left behind."""
 
@@ -57,34 +57,34 @@ class PassCache:
             with self._lock:
                 self._start(first_pass)
 
-    def _start(self, epoch: int) -> threading.Event:
-        """The event set once pass `epoch` is built, starting its build if none has; under the lock."""
-        if epoch not in self._ready:
-            self._ready[epoch] = threading.Event()
-            threading.Thread(target=self._build, args=(epoch,), daemon=True).start()
-        return self._ready[epoch]
+    def _start(self, pass_index: int) -> threading.Event:
+        """The event set once pass `pass_index` is built, starting its build if none has; under the lock."""
+        if pass_index not in self._ready:
+            self._ready[pass_index] = threading.Event()
+            threading.Thread(target=self._build, args=(pass_index,), daemon=True).start()
+        return self._ready[pass_index]
 
-    def _build(self, epoch: int) -> None:
+    def _build(self, pass_index: int) -> None:
         try:
-            built = self._build_pass(epoch)
+            built = self._build_pass(pass_index)
         except BaseException as e:  # handed to the rank that asks for this pass
             built = e
         with self._lock:
-            self._built[epoch] = built
-            self._ready[epoch].set()
+            self._built[pass_index] = built
+            self._ready[pass_index].set()
 
-    def shard(self, epoch: int, rank: int):
-        """Rank `rank`'s shard of pass `epoch`; raises what building the pass raised. A restarted worker group
+    def rank_rows(self, pass_index: int, rank: int):
+        """Rank `rank`'s rows of pass `pass_index`; raises what building the pass raised. A restarted worker group
         asking for a pass already dropped gets it rebuilt."""
         with self._lock:
-            self._asked[rank] = epoch
-            ready = self._start(epoch)
+            self._asked[rank] = pass_index
+            ready = self._start(pass_index)
         ready.wait()
         with self._lock:
-            built = self._built[epoch]
+            built = self._built[pass_index]
             if isinstance(built, BaseException):
                 raise built
-            self._start(epoch + 1)
+            self._start(pass_index + 1)
             for old in [e for e in self._built if e < min(self._asked)]:
                 del self._built[old], self._ready[old]
         return built[rank]
@@ -97,7 +97,7 @@ class PassCoordinator:
     It holds the token rows as zero-copy views of their blocks in Ray's object store, and builds a pass in
     its own process (an index permutation, packing, a gather per rank, put back in the object store): no
     Ray task runs during training, so a cluster whose CPUs the training workers hold never starves it.
-    Created by the driver, it outlives restarted worker groups, which get the same shards again. It is
+    Created by the driver, it outlives restarted worker groups, which get the same rows again. It is
     created empty, so that the worker group can start while the driver builds the data: ranks that ask
     before the driver has loaded the rows (or told it why it could not) wait for it.
     """
@@ -137,8 +137,8 @@ class PassCoordinator:
     def _cache(self, world_size: int, first_pass: int | None) -> PassCache:
         return PassCache(functools.partial(self._build, world_size=world_size), world_size, first_pass)
 
-    def _build(self, epoch: int, world_size: int) -> list[ray.ObjectRef]:
-        rows = take_rows(self.tables, pass_records(self.plan, epoch, self.data.shuffle))
+    def _build(self, pass_index: int, world_size: int) -> list[ray.ObjectRef]:
+        rows = take_rows(self.tables, pass_records(self.plan, pass_index, self.data.shuffle))
         sources = len(self.plan.rows)
         rows = (pack_rows(rows, self.data.max_seq_len, self.pad_id, sources, self.data.packing_open_rows)
                 if self.data.packing else unpacked_rows(rows, sources))
@@ -146,10 +146,10 @@ class PassCoordinator:
             raise UserInputError(f"data.packing: the training records fill {rows.num_rows} rows of "
                                  f"data.max_seq_len={self.data.max_seq_len}, fewer than the {world_size} workers; "
                                  "add data, use fewer workers or set data.packing=false")
-        return [ray.put(rows.take(pa.array(shard))) for shard in deal(rows.num_rows, world_size)]
+        return [ray.put(rows.take(pa.array(mine))) for mine in deal(rows.num_rows, world_size)]
 
-    def shard(self, epoch: int, rank: int, world_size: int) -> list:
-        """[a reference to this rank's rows of pass `epoch`, dealt to `world_size` ranks] (in a list: Ray would
+    def rank_rows(self, pass_index: int, rank: int, world_size: int) -> list:
+        """[a reference to this rank's rows of pass `pass_index`, dealt to `world_size` ranks] (in a list: Ray would
         resolve a bare one). An elastic run's group that changed size gets passes dealt to its new size; the
         sizes before the last two are dropped."""
         self._wait_for_data()
@@ -159,12 +159,12 @@ class PassCoordinator:
                 while len(self._passes) > 2:  # the group before the last may still have a late ask in flight
                     del self._passes[next(iter(self._passes))]
             passes = self._passes[world_size]
-        return [passes.shard(epoch, rank)]
+        return [passes.rank_rows(pass_index, rank)]
 
     def first_pass_figures(self) -> dict[str, float]:
         """Rows each rank trains per pass and how full they are, from pass 0; raises what building it raised
         (the driver asks as soon as it has loaded the rows)."""
-        [ref] = self.shard(0, 0, self.world_size)
+        [ref] = self.rank_rows(0, 0, self.world_size)
         rows = ray.get(ref)
         sides = 2 if "chosen_input_ids" in rows.column_names else 1  # a preference pair's row holds two sequences
         fill = pc.sum(rows.column("length")).as_py() / max(rows.num_rows * sides * self.data.max_seq_len, 1)
@@ -175,7 +175,7 @@ def start_pass_coordinator(world_size: int, data: DataSection):
     """On the driver's node, empty (`load_passes` gives it the rows): the job ends with it anyway, and so does a
     job whose coordinator dies (`--resume` then continues exactly). Not restartable: Ray logs an error line
     for any restartable actor given object references (ray issue 53727), and its token rows are references
-    the driver owns. Threads for every rank's shard and eval rows, waiting at once, and the driver's calls."""
+    the driver owns. Threads for every rank's rows and eval rows, waiting at once, and the driver's calls."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

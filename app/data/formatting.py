@@ -1,184 +1,47 @@
-"""Records -> token rows: format detection, chat-template rendering, tokenization and label masking.
-
-Plain functions on plain Python data, so that Ray Data's `map_batches` calls them on workers and
-tests and the adapter-reload check call them directly.
-
-Supported record formats (one per record; `data.format=auto` detects it):
-  chat               {"messages": [{"role": "user"|"system"|"assistant", "content": str}, ...]}
-  sharegpt           {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}
-  instruction        {"instruction": str, "input": str (optional), "output": str}   (Alpaca)
-  prompt_completion  {"prompt": str, "completion": str}
-  text               {"text": str}   (continued pretraining: every token carries loss)
-  preference         pairs for train.objective=dpo: {"prompt", "chosen", "rejected"} as strings or messages,
-                     or two whole conversations {"chosen", "rejected"} (app/data/preference.py)
-In the conversational formats only assistant / gpt / output / completion tokens are trained on;
-everything else gets label -100.
+"""Records -> token rows, by `data.format`: which fields each format needs, which format a record has, and its
+token rows (app/data/conversations.py for records with an answer to learn; app/data/pairs.py for preference
+pairs, data.format=preference, which train.objective=dpo sets). Checked in the driver (app/data/sources.py)
+and tokenized by Ray Data (app/data/pipeline.py) with the same functions.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
-from app.errors import UserInputError
+from app.data.conversations import (
+    FORMAT_FIELDS,
+    detect_conversation_format,
+    prompt_and_target_segments,
+    tokenize_conversations,
+)
+from app.data.pairs import detect_preference_format, tokenize_pairs
+from app.errors import UserInputError, first_line
 
-IGNORE_INDEX = -100
-FORMAT_FIELDS = {"chat": ("messages",), "sharegpt": ("conversations",), "instruction": ("instruction", "output"),
-                 "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 PREFERENCE = "preference"  # data.format of preference pairs: never auto-detected, train.objective=dpo sets it
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-PLAIN_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def required_fields(fmt: str) -> dict[str, tuple[str, ...]]:
+    """The fields (columns) a record of `fmt` has, by format: any of them for `auto`."""
+    if fmt == PREFERENCE:
+        return {fmt: ("chosen", "rejected")}
+    return FORMAT_FIELDS if fmt == "auto" else {fmt: FORMAT_FIELDS[fmt]}
 
 
 def detect_format(record: Any, wanted: str = "auto") -> str:
-    """The record's format, or ValueError saying which fields are missing."""
+    """The record's format, or ValueError saying which fields are missing or wrong."""
     if wanted == PREFERENCE:
-        from app.data.preference import detect_preference_format
-
         return detect_preference_format(record)
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    candidates = FORMAT_FIELDS if wanted == "auto" else {wanted: FORMAT_FIELDS[wanted]}
-    for name, fields in candidates.items():
-        if all(isinstance(record.get(f), (str, list)) for f in fields):
-            _check_fields(record, name)
-            return name
-    expected = " or ".join("+".join(f) for f in candidates.values())
-    raise ValueError(f"record needs fields {expected} (has: {', '.join(sorted(record)) or 'none'})")
-
-
-def _check_fields(record: dict, fmt: str) -> None:
-    if fmt == "sharegpt":
-        return _check_fields({"messages": as_messages(record, fmt)}, "chat")
-    if fmt != "chat":
-        for f in FORMAT_FIELDS[fmt] + (("input",) if fmt == "instruction" else ()):
-            if f in record and not isinstance(record[f], str):
-                raise ValueError(f"field '{f}' must be a string")
-        return
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"messages[{i}] needs string fields 'role' and 'content'")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("'messages' has no assistant turn to learn from")
-
-
-def as_messages(record: dict, fmt: str) -> list[dict]:
-    if fmt == "chat":
-        return record["messages"]
-    if fmt == "sharegpt":
-        turns = record["conversations"]
-        if not isinstance(turns, list) or not turns:
-            raise ValueError("'conversations' must be a non-empty list")
-        messages = []
-        for i, turn in enumerate(turns):
-            if not (isinstance(turn, dict) and all(isinstance(turn.get(k), str) for k in ("from", "value"))):
-                raise ValueError(f"conversations[{i}] needs string fields 'from' and 'value'")
-            if turn["from"] not in SHAREGPT_ROLES:
-                raise ValueError(f"conversations[{i}]: 'from' is {turn['from']!r}; expected one of "
-                                 f"{', '.join(SHAREGPT_ROLES)}")
-            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
-        return messages
-    if fmt == "instruction":
-        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
-    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
-
-
-def prompt_and_target_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Split a conversation into (text, is_target) pieces whose concatenation is the rendered text.
-
-    With a chat template each assistant turn is a target; the text before it (rendered with
-    `add_generation_prompt=True`) is context. Without one, a plain instruction template is used.
-    """
-    if not tokenizer.chat_template:
-        *context, last = messages
-        prompt = "\n\n".join(m["content"] for m in context)
-        return [(PLAIN_PROMPT.format(instruction=prompt), False), (last["content"], True)]
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
-    segments, done = [], ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(messages[:i], add_generation_prompt=True) if i else ""
-        full = render(messages[: i + 1])
-        if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError("the tokenizer's chat template does not render conversations prefix by prefix; "
-                             "set data.format=instruction or give the tokenizer another chat_template")
-        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
-        done = full
-    return segments
-
-
-def tokenize_text(tokenizer, text: str, max_seq_len: int | None) -> tuple[list[int], list[int]]:
-    """Plain text: the tokenizer's own special tokens around it, every token a target."""
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
-        ids = [tokenizer.bos_token_id] + ids
-    if tokenizer.eos_token_id is not None:
-        ids = ids + [tokenizer.eos_token_id]
-    return ids[:max_seq_len], ids[:max_seq_len]
-
-
-def tokenize_record(tokenizer, record: dict, fmt: str, max_seq_len: int | None) -> tuple[list[int], list[int]]:
-    """input_ids and labels (prompt tokens masked), truncated to max_seq_len (None: whole), unpadded."""
-    if fmt == "text":
-        return tokenize_text(tokenizer, record["text"], max_seq_len)
-    segments = prompt_and_target_segments(tokenizer, as_messages(record, fmt))
-    ids: list[int] = []
-    labels: list[int] = []
-    if not tokenizer.chat_template and tokenizer.bos_token_id is not None:
-        ids, labels = [tokenizer.bos_token_id], [IGNORE_INDEX]
-    for text, is_target in segments:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if is_target else [IGNORE_INDEX] * len(piece)
-    if not tokenizer.chat_template and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-        labels.append(tokenizer.eos_token_id)
-    return ids[:max_seq_len], labels[:max_seq_len]
+    return detect_conversation_format(record, wanted)
 
 
 def tokenize_rows(records: list[dict], tokenizer, fmt: str, max_seq_len: int,
                   long_records: str = "truncate") -> dict[str, np.ndarray]:
-    """Records -> fixed-length rows: input_ids padded with the pad id, labels padded with -100, `length`
-    (tokens before padding) and `targets`, each row's number of tokens that carry loss (0 when truncation
-    cut every target off; -1 for a record without the fields its format needs, which only data the driver
-    could not check holds). A record longer than max_seq_len is truncated, or with long_records="split"
-    cut into rows of max_seq_len (each piece then starts without the context before it).
-
-    Right padding needs no attention mask: under the causal mask a real token never attends to a
-    later pad, and pads carry no loss. Preference pairs (fmt=preference) give their own columns
-    (app/data/preference.py's tokenize_pairs).
-    """
+    """Records -> fixed-length token rows with their `targets` count (-1: a record without its fields)."""
     if fmt == PREFERENCE:
-        from app.data.preference import tokenize_pairs
-
         return tokenize_pairs(records, tokenizer, max_seq_len)
-    pieces: list[tuple[list[int], list[int]] | None] = []
-    for record in records:
-        try:
-            ids, labs = tokenize_record(tokenizer, record, detect_format(record, fmt),
-                                        None if long_records == "split" else max_seq_len)
-        except ValueError:
-            pieces.append(None)
-            continue
-        pieces += [(ids[i:i + max_seq_len], labs[i:i + max_seq_len]) for i in range(0, max(len(ids), 1), max_seq_len)]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids = np.full((len(pieces), max_seq_len), pad_id, dtype=np.int64)
-    labels = np.full((len(pieces), max_seq_len), IGNORE_INDEX, dtype=np.int64)
-    length = np.zeros(len(pieces), dtype=np.int64)
-    for row, piece in enumerate(pieces):
-        if piece is not None:
-            length[row] = len(piece[0])
-            input_ids[row, : length[row]], labels[row, : length[row]] = piece
-    targets = (labels[:, 1:] != IGNORE_INDEX).sum(axis=1)  # labels are shifted: position 0 never counts
-    targets[np.array([p is None for p in pieces], dtype=bool)] = -1
-    return {"input_ids": input_ids, "labels": labels, "length": length, "targets": targets}
+    return tokenize_conversations(records, tokenizer, fmt, max_seq_len, long_records)
 
 
 def check_chat_template(tokenizer, where: str) -> None:
@@ -189,6 +52,5 @@ def check_chat_template(tokenizer, where: str) -> None:
     try:
         prompt_and_target_segments(tokenizer, conversation)
     except Exception as e:  # jinja2's errors, or ours for a template that does not render prefix by prefix
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserInputError(f"{where}: its chat template cannot render a user/assistant conversation: {first}") \
-            from None
+        raise UserInputError(f"{where}: its chat template cannot render a user/assistant conversation: "
+                             f"{first_line(e)}") from None

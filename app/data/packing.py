@@ -18,7 +18,7 @@ import pyarrow as pa
 from ray.data.block import BlockAccessor
 from ray.data.extensions import ArrowTensorArray
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
 
 
 def first_fit(lengths: np.ndarray, row_len: int, open_rows: int) -> list[list[int]]:

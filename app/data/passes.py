@@ -5,7 +5,7 @@ Plain numpy and pyarrow, no Ray: app/data/pipeline.py's PassCoordinator builds e
 `rows_per_pass()[i]` rows from source i (with repetition where a source is smaller than its share),
 shuffles them all together with a seed for that pass, packs them into rows (app/data/packing.py) unless
 packing is off, and deals the rows to the ranks in turn.
-The same seed, pass and worker count give the same shards, so a resumed run continues exactly.
+The same seed, pass and worker count give the same rows to each rank, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ class PassPlan:
         """How many times source `source` is repeated to fill its share of a pass."""
         return max(1, math.ceil(self.rows_per_pass()[source] / self.rows[source]))
 
-    def source_seed(self, epoch: int, source: int) -> int:
-        return _mix(self.seed, epoch, source + 1)
+    def source_seed(self, pass_index: int, source: int) -> int:
+        return _mix(self.seed, pass_index, source + 1)
 
-    def pass_seed(self, epoch: int) -> int:
-        return _mix(self.seed, epoch, 0)
+    def pass_seed(self, pass_index: int) -> int:
+        return _mix(self.seed, pass_index, 0)
 
 
 def _mix(*values: int) -> int:
@@ -57,39 +57,39 @@ def source_names(paths: list[str]) -> tuple[str, ...]:
     return tuple(s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems))
 
 
-def pass_records(plan: PassPlan, epoch: int, shuffle: bool) -> np.ndarray:
-    """The (source, row) pairs of pass `epoch`, in training order: each source's share drawn (repeats where
+def pass_records(plan: PassPlan, pass_index: int, shuffle: bool) -> np.ndarray:
+    """The (source, row) pairs of pass `pass_index`, in training order: each source's share drawn (repeats where
     the share is larger than the source), shuffled together with the pass's seed. Plain numpy: the same
     inputs, the same order."""
     picks = []
     for source, (rows, wanted) in enumerate(zip(plan.rows, plan.rows_per_pass())):
-        rng = np.random.default_rng(plan.source_seed(epoch, source))
+        rng = np.random.default_rng(plan.source_seed(pass_index, source))
         copies = [rng.permutation(rows) if shuffle else np.arange(rows) for _ in range(plan.copies_needed(source))]
         picks.append(np.stack([np.full(wanted, source), np.concatenate(copies)[:wanted]], axis=1))
     order = np.concatenate(picks)
     if shuffle:
-        order = order[np.random.default_rng(plan.pass_seed(epoch)).permutation(len(order))]
+        order = order[np.random.default_rng(plan.pass_seed(pass_index)).permutation(len(order))]
     return order
 
 
 def deal(rows: int, world_size: int) -> list[np.ndarray]:
-    """Row indices of each rank's shard: dealt in turn (rank r: rows r, r + W, ...), the remainder left
+    """Row indices of each rank's rows: dealt in turn (rank r: rows r, r + W, ...), the remainder left
     out so every rank takes as many steps. Dealt, not cut: after each rank has trained k rows, the pass's
     first k x W rows are done, whatever W was, so a resume on another worker count skips exactly those
-    (`shard_rows_among_first` says how many of each rank's shard)."""
+    (`rank_rows_among_first` says how many of each rank's rows)."""
     return [np.arange(r, rows - rows % world_size, world_size) for r in range(world_size)]
 
 
-def shard_rows_among_first(rows: int, rank: int, world_size: int) -> int:
-    """How many rows of `rank`'s shard (rows rank, rank + W, ...) are among the pass's first `rows`: what a
+def rank_rows_among_first(rows: int, rank: int, world_size: int) -> int:
+    """How many of `rank`'s rows (rows rank, rank + W, ...) are among the pass's first `rows`: what a
     rank resumed after those were trained skips, exactly, whatever the worker count that trained them."""
     return max(rows - rank + world_size - 1, 0) // world_size
 
 
-def pass_order(plan: PassPlan, epoch: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
-    """For each rank, the (source, row) pairs of its shard of pass `epoch` (unpacked rows), in order."""
-    order = pass_records(plan, epoch, shuffle)
-    return [order[shard] for shard in deal(len(order), world_size)]
+def pass_order(plan: PassPlan, pass_index: int, world_size: int, shuffle: bool) -> list[np.ndarray]:
+    """For each rank, the (source, row) pairs of its rows of pass `pass_index` (unpacked rows), in order."""
+    order = pass_records(plan, pass_index, shuffle)
+    return [order[mine] for mine in deal(len(order), world_size)]
 
 
 def take_rows(tables: list[pa.Table], order: np.ndarray) -> pa.Table:

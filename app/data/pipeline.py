@@ -20,12 +20,12 @@ import ray
 import ray.data
 from ray.data.expressions import col
 
-from app.config.schema import DataSection, ModelSection
+from app.config.sections import DataSection, ModelSection
 from app.data.formatting import tokenize_rows
 from app.data.passes import PassPlan, source_names
 from app.data.sources import DataSource, load_hf_disk, read_json_array
 from app.errors import UserInputError
-from app.model.build import load_tokenizer
+from app.model.base import load_tokenizer
 
 
 def read_records(source: DataSource, data: DataSection) -> ray.data.Dataset:

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.data.formatting import FORMAT_FIELDS, PREFERENCE, detect_format
-from app.errors import UserInputError
+from app.data.formatting import detect_format, required_fields
+from app.errors import UserInputError, first_line
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 MAX_RECORD_BYTES = 16 * 2**20  # one JSON line; a longer one is almost always a file that is not JSON lines
@@ -130,7 +130,7 @@ def _check_remote_sample(source: DataSource, fmt: str, key: str) -> int:
     except UserInputError:
         raise
     except Exception as e:  # no such bucket or key, no credentials, ...
-        raise UserInputError(f"{key}={source.location}: cannot read it ({str(e).splitlines()[0][:200]})") from None
+        raise UserInputError(f"{key}={source.location}: cannot read it ({first_line(e, 200)})") from None
     lines = head.split(b"\n")
     for line_no, raw in enumerate(lines[:-1] if len(head) == SAMPLE_BYTES else lines, start=1):
         line = _utf8(raw, f"{source.location}:{line_no}")
@@ -174,8 +174,7 @@ def _utf8(raw: bytes, where: str) -> str:
 
 
 def _check_columns(columns: list[str], fmt: str, where: str) -> None:
-    formats = (FORMAT_FIELDS if fmt == "auto" else {fmt: ("chosen", "rejected")} if fmt == PREFERENCE
-               else {fmt: FORMAT_FIELDS[fmt]})
+    formats = required_fields(fmt)
     if not any(set(fields) <= set(columns) for fields in formats.values()):
         expected = " or ".join("+".join(f) for f in formats.values())
         raise UserInputError(f"{where}: columns {columns} lack the fields {expected}; see data.format")
@@ -187,7 +186,7 @@ def _check_parquet(file: str, fmt: str) -> int:
     try:
         meta = pq.ParquetFile(file)
     except Exception as e:  # pyarrow raises several types for a corrupt file
-        raise UserInputError(f"{file}: not a readable Parquet file ({e})") from None
+        raise UserInputError(f"{file}: not a readable Parquet file ({first_line(e)})") from None
     _check_columns(meta.schema_arrow.names, fmt, file)
     return meta.metadata.num_rows
 

@@ -7,29 +7,29 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from app.data.formatting import IGNORE_INDEX
-from app.data.passes import shard_rows_among_first
+from app.data.chat import IGNORE_INDEX
+from app.data.passes import rank_rows_among_first
 
-PassOverShard = Callable[[int], Iterable[dict]]  # epoch -> one pass over this rank's shard
+RankPass = Callable[[int], Iterable[dict]]  # pass_index -> one pass over this rank's rows
 
 
-class ShardStream:
-    """Pass after pass over this rank's shard, so every rank can take exactly max_steps steps.
+class RankStream:
+    """Pass after pass over this rank's rows, so every rank can take exactly max_steps steps.
 
     Rank `rank` of `world_size` holds rows rank, rank + W, ... of each pass (app/data/passes.py's `deal`), in
-    batches cut alike on every rank. `epoch` and `rows_into_epoch` say where the ranks stand together: the
-    first `rows_into_epoch` rows of pass `epoch` are trained. A stream resumed there (`skip_rows`) drops the
-    rows of its shard among them (read and dropped: a stream cannot seek). When the checkpointed run had
+    batches cut alike on every rank. `pass_index` and `rows_into_pass` say where the ranks stand together: the
+    first `rows_into_pass` rows of pass `pass_index` are trained. A stream resumed there (`skip_rows`) drops the
+    rows of its own among them (read and dropped: a stream cannot seek). When the checkpointed run had
     another worker count, the ranks drop counts one row apart; where that empties a rank's first batch, its
     last row stands in with no target (it trains nothing), so every rank still yields as many batches.
     """
 
-    def __init__(self, one_pass: PassOverShard, device: torch.device, epoch: int = 0, skip_rows: int = 0,
+    def __init__(self, one_pass: RankPass, device: torch.device, pass_index: int = 0, skip_rows: int = 0,
                  rank: int = 0, world_size: int = 1):
         self.one_pass, self.device, self.world_size = one_pass, device, world_size
-        self.epoch, self.rows_into_epoch = epoch, skip_rows
-        self._skip = shard_rows_among_first(skip_rows, rank, world_size)
-        self._first_row = skip_rows // world_size  # the shard row in whose batch every rank resumes
+        self.pass_index, self.rows_into_pass = pass_index, skip_rows
+        self._skip = rank_rows_among_first(skip_rows, rank, world_size)
+        self._first_row = skip_rows // world_size  # the row (of this rank's) in whose batch every rank resumes
         self._batches = self._generate()
 
     def __next__(self) -> dict:
@@ -41,12 +41,12 @@ class ShardStream:
     def _generate(self) -> Iterator[dict]:
         while True:
             read = 0
-            for batch in self.one_pass(self.epoch):
+            for batch in self.one_pass(self.pass_index):
                 rows = len(next(iter(batch.values())))  # every column has a value per row
                 start, read = read, read + rows
                 if read <= self._first_row:  # trained on every rank
                     continue
-                self.rows_into_epoch = read * self.world_size
+                self.rows_into_pass = read * self.world_size
                 skip = self._skip - start
                 if skip >= rows:
                     batch = without_targets(batch)
@@ -54,9 +54,9 @@ class ShardStream:
                     batch = {k: v[skip:] for k, v in batch.items()}
                 yield to_device(batch, self.device)
             if not read:
-                raise RuntimeError(f"this worker's training shard is empty (pass {self.epoch}); "
+                raise RuntimeError(f"this worker's rows of the pass are empty (pass {self.pass_index}); "
                                    "the dataset has fewer rows than workers")
-            self.epoch, self.rows_into_epoch, self._skip, self._first_row = self.epoch + 1, 0, 0, 0
+            self.pass_index, self.rows_into_pass, self._skip, self._first_row = self.pass_index + 1, 0, 0, 0
 
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")  # preference pairs: chosen_input_ids, rejected_labels, ...

@@ -1,113 +1,67 @@
-"""Base model + tokenizer loading, the LoRA adapter, activation checkpointing.
+"""The model a worker trains: the base, loaded as `model.load` says, wrapped in a PEFT LoRA adapter with its
+starting weights, activation checkpointing where asked, and split into FSDP2 shards (app/model/sharding.py).
 
-`from_pretrained` is the one loading path: a hub id, a local checkpoint of a real model and the
-embedded default all go through it. Weights load from safetensors only; remote code runs only
-when `model.trust_remote_code` is set.
+`model.load: full`: every worker loads the whole base (from_pretrained), then shards it. `sharded`: the model
+is built on the meta device and each rank reads only its slices of the checkpoint (app/model/slices.py).
+Both give the same weights and the same adapter for a seed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import warnings
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from app.errors import UserInputError
-from app.model.hardware import torch_dtype
-from app.model.lora_init import init_lora_weights, rows_of_loaded_model
+from app.model.adapter import REFERENCE, apply_lora, init_lora_weights, load_adapter_weights, rows_of_loaded_model
+from app.model.base import build_meta_base_model, enable_activation_checkpointing, load_base_model
+from app.model.quantization import quantize_layer
+from app.model.sharding import shard_group_size, shard_model
+from app.model.slices import SliceReader, checkpoint_index, checkpoint_weight, materialize_from_slices, weight_files
 
 if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a bare GPU box
-    from app.config.schema import LoraSection, ModelSection
-
-
-def check_lora_targets(model: ModelSection, lora: LoraSection) -> None:
-    """Every name in lora.target_modules must match a module of the model.
-
-    Checked on a weightless copy of the architecture (meta device), so it costs a second even for a
-    70B model, and a typo fails here instead of in every worker after the cluster has started.
-    """
-    if lora.target_modules == "all-linear":
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
-    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
-    missing = [t for t in lora.target_modules if t not in leaf_names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UserInputError(f"lora.target_modules: {missing} match no module of {model.path}; "
-                             f"its linear layers are {linear}")
-
-
-def load_tokenizer(model: ModelSection, chat_template: str | None = None):
-    """The model's tokenizer; `chat_template` (data.chat_template) replaces its own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model.path, revision=model.revision,
-                                              trust_remote_code=model.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def load_base_model(model: ModelSection, device: torch.device | str = "cpu"):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        model.path, revision=model.revision, dtype=torch_dtype(model.dtype, device), use_safetensors=True,
-        trust_remote_code=model.trust_remote_code, device_map=None, attn_implementation=model.attn_implementation,
-    ).to(device)
-
-
-def apply_lora(base, lora: LoraSection, seed: int, reference: bool = False):
-    """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32.
-
-    Its initial weights are set by app.model.lora_init afterwards, from the seed, the same on every rank and
-    for either loading path (or by app.model.init_adapter, from a trained adapter). With `reference`, a second
-    adapter of the same shape, frozen and without dropout, for DPO's reference (app.model.init_adapter.REFERENCE).
-    """
-    from peft import LoraConfig, get_peft_model
-
-    from app.model.init_adapter import REFERENCE
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
-                        use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
-                        bias="none")
-    with peft_on_transformers_5():
-        model = get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
-        if reference:  # PEFT leaves an added adapter frozen while "default" is the active one
-            frozen = copy.deepcopy(config)
-            frozen.lora_dropout, frozen.inference_mode = 0.0, True
-            model.add_adapter(REFERENCE, frozen)
-    return model
-
-
-@contextlib.contextmanager
-def peft_on_transformers_5():
-    """Around PEFT's model wrapping and adapter loading: PEFT 0.21 reads transformers 5's deprecated
-    `is_gradient_checkpointing`, a FutureWarning in every job's and server's log that no setting of ours
-    causes (PEFT's to change)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Non-reentrant checkpointing: works with a frozen base without enable_input_require_grads."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    from app.config.sections import LoraSection, ModelSection
 
 
 def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu", reference: bool = False):
+    """The whole base in memory, wrapped in LoRA with the seed's starting weights; not sharded."""
     model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed, reference)
     init_lora_weights(model, seed, rows_of_loaded_model(model))
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
+    return model
+
+
+def build_meta_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, config_file: str | None = None,
+                          reference: bool = False):
+    """The LoRA model without weights (meta device): its shapes and names, for checks, plans and slice loading."""
+    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed, reference)
+    if model_cfg.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model
+
+
+def build_training_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device,
+                         init_adapter: dict[str, torch.Tensor] | None = None, reference: bool = False) -> nn.Module:
+    """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says; its adapter starts from the seed,
+    or from `init_adapter` (a saved adapter's weights). With `reference` (DPO from a starting adapter), a frozen
+    copy of `init_adapter` as a second adapter."""
+    if reference and init_adapter is None:
+        raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
+    nf4, shards = model_cfg.quantization == "nf4", shard_group_size(mesh)
+    if model_cfg.load == "full":
+        model = build_lora_model(model_cfg, lora_cfg, seed, device, reference)
+        quantize = partial(quantize_layer, shards=shards, full_weight=lambda linear: linear.weight)
+        model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
+    else:
+        model = build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference)
+        index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
+        with torch.no_grad(), SliceReader(index) as reader:
+            quantize = partial(quantize_layer, shards=shards, full_weight=checkpoint_weight(model, reader, device))
+            model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
+            materialize_from_slices(model, reader, seed, device)
+    if init_adapter is not None:
+        for adapter_name in ("default", REFERENCE) if reference else ("default",):
+            load_adapter_weights(model, init_adapter, adapter_name)
     return model

@@ -1,13 +1,9 @@
-"""Starting from a trained adapter (`model.init_adapter`): its weights as the LoRA weights' first values.
-
-The driver finds the adapter (a folder, a run under train.output_dir, or models:/NAME/VERSION), checks
-that it fits the model this run builds, and reads its weights once; every worker then copies its own
-slice of each weight into its shards, after building the model either way (`model.load: full` or
-`sharded`). With `train.objective: dpo` the same weights also fill a second, frozen adapter named
-`reference`: DPO's reference model is the starting adapter, not the bare base.
-
-Keys are mapped between the saved file and the model's parameters by PEFT's own
-`get_peft_model_state_dict`, the function that wrote them.
+"""Starting from a trained adapter (`model.init_adapter`): the driver finds it (a folder, a run under
+train.output_dir, or a registered version), checks here that it fits the model this run builds, and reads its
+weights once; every worker then copies its own slice of each weight into its shards (app/model/adapter.py's
+`load_adapter_weights`), after building the model either way (`model.load: full` or `sharded`). With
+`train.objective: dpo` the same weights also fill a second, frozen adapter named `reference`: DPO's reference
+model is the starting adapter, not the bare base.
 """
 
 from __future__ import annotations
@@ -15,52 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from app.errors import UserInputError, first_line
-from app.model.sharding import local_region
+from app.model.adapter import ADAPTER_WEIGHTS, saved_keys
+from app.model.build import build_meta_lora_model
 
-REFERENCE = "reference"  # the frozen copy of the starting adapter that DPO measures against
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # adapter_config.json's names for what the lora section sets; a different value changes what the weights mean
 _LORA_FIELDS = {"r": "r", "lora_alpha": "alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
 # settings the lora section has no key for, and the values that leave the weights meaning what they do here
 _PLAIN_LORA = {"alpha_pattern": (None, {}), "rank_pattern": (None, {}), "modules_to_save": (None, []),
                "bias": (None, "none"), "lora_bias": (None, False), "layer_replication": (None,),
                "init_lora_weights": (None, True, False, "gaussian", "eva", "orthogonal")}
-
-
-def is_adapter_param(name: str, adapter_name: str) -> bool:
-    """A LoRA weight of `adapter_name` (PEFT names them `<module>.lora_A.<adapter>.weight`, ...), not a base weight."""
-    return ".lora_" in name and f".{adapter_name}." in name
-
-
-def saved_keys(model: nn.Module, adapter_name: str) -> dict[str, str]:
-    """The key each of `adapter_name`'s parameters has in a saved adapter -> the parameter's name."""
-    from peft.utils import get_peft_model_state_dict
-
-    names = [n for n, _ in model.named_parameters() if is_adapter_param(n, adapter_name)]
-    tagged = {name: torch.tensor(i) for i, name in enumerate(names)}
-    saved = get_peft_model_state_dict(model, state_dict=tagged, adapter_name=adapter_name, save_embedding_layers=False)
-    if len(saved) != len(names):  # a weight left unmapped would keep uninitialised memory
-        raise RuntimeError(f"PEFT maps {len(saved)} of adapter {adapter_name}'s {len(names)} weights to saved keys")
-    return {key: names[int(index)] for key, index in saved.items()}
-
-
-def read_adapter_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / ADAPTER_WEIGHTS))
-
-
-@torch.no_grad()
-def load_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor], adapter_name: str = "default") -> None:
-    """Copy this rank's slice of each saved weight into `adapter_name`'s parameters (sharded or whole)."""
-    for key, name in saved_keys(model, adapter_name).items():
-        local, region = local_region(model.get_parameter(name))
-        if local.numel():
-            local.copy_(weights[key][region].to(local.dtype))
 
 
 def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
@@ -113,7 +73,5 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
 
 def expected_shapes(model_cfg, lora_cfg) -> dict[str, tuple[int, ...]]:
     """Saved key -> shape of every weight this run's adapter has, from a weightless (meta) copy of the model."""
-    from app.model.sharded_loading import build_meta_lora_model
-
     model = build_meta_lora_model(model_cfg.model_copy(update={"gradient_checkpointing": False}), lora_cfg, seed=0)
     return {key: tuple(model.get_parameter(name).shape) for key, name in saved_keys(model, "default").items()}

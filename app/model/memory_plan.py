@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.config.schema import FinetuneConfig
-from app.model.hardware import has_fast_bf16
+from app.model.hardware import has_fast_bf16, with_dtypes_resolved
 from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 
 GiB = 2**30
@@ -38,7 +38,7 @@ class MemoryPlan:
 
 def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
     """(PEFT model on the meta device, base parameter count, LoRA parameter count)."""
-    from app.model.sharded_loading import build_meta_lora_model
+    from app.model.build import build_meta_lora_model
 
     model = build_meta_lora_model(cfg.model, cfg.lora, cfg.train.seed, config_file=config_file)
     base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -49,7 +49,7 @@ def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
 def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPlan:
     from app.model.sharding import decoder_layers
 
-    cfg = cfg.with_dtypes_resolved(cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
+    cfg = with_dtypes_resolved(cfg, cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
     model, base, lora = count_parameters(cfg, config_file)
     shard = cfg.shard_group_size
     stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]

@@ -79,8 +79,9 @@ def merged_weight(weight: torch.Tensor, update: dict[str, torch.Tensor], scale: 
 
 def module_keys(base_path: Path, modules: dict[str, dict]) -> dict[str, str]:
     """Checkpoint key of each adapted module's weight, renamed as transformers renames on load."""
-    from app.config.schema import ModelSection
-    from app.model.sharded_loading import build_meta_base_model, checkpoint_index, weight_files
+    from app.config.sections import ModelSection
+    from app.model.base import build_meta_base_model
+    from app.model.slices import checkpoint_index, weight_files
 
     model_cfg = ModelSection(path=str(base_path))
     index, converted = checkpoint_index(build_meta_base_model(model_cfg), weight_files(model_cfg))

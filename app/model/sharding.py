@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from app.model.hardware import torch_dtype
 
 if TYPE_CHECKING:
-    from app.config.schema import FsdpSection
+    from app.config.sections import FsdpSection
 
 
 def process_group_backend(use_gpu: bool, cpu_offload: bool) -> str:
@@ -39,13 +39,14 @@ def init_torchrun_process_group(cpu_offload: bool = False) -> tuple[int, int, to
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_device_mesh(device_type: str, shape: list[int] | None = None) -> DeviceMesh:
+def build_device_mesh(device_type: str, shape: tuple[int, ...] | list[int] | None = None) -> DeviceMesh:
     """A 1-D mesh over every rank (FSDP), or a 2-D [replicas, shard size] mesh (HSDP: parameters are
     sharded within a group, e.g. a node's GPUs, and replicated across groups, so the all-gathers of
-    every layer stay on the fast intra-node links and only gradient all-reduces cross nodes)."""
-    if shape is None:
-        return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=("dp_replicate", "dp_shard"))
+    every layer stay on the fast intra-node links and only gradient all-reduces cross nodes). The shape is
+    scaling.mesh_shape's (None: every rank of the process group)."""
+    shape = tuple(shape or (dist.get_world_size(),))
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -110,7 +111,8 @@ def unshardable_on_one_rank(module: nn.Module, mesh: DeviceMesh) -> set[nn.Param
 
 
 def shard_group_size(mesh: DeviceMesh) -> int:
-    """How many ranks each parameter is split over: the whole mesh (FSDP), or its shard dimension (HSDP)."""
+    """How many ranks each parameter of a built mesh is split over: its last (shard) dimension, as
+    scaling.mesh_shape laid it out."""
     return mesh.size(mesh.ndim - 1)
 
 

@@ -16,9 +16,7 @@ from ray import serve
 
 from app.serve.api import Served, build_api, context_length
 from app.serve.engine import Engine
-from app.serve.models import adapter_folder, base_of, load
-
-__all__ = ["ChatCompletions", "adapter_folder", "base_of"]
+from app.serve.models import load
 
 # Serve's defaults for a replica: concurrent requests (a batch is at most max_batch_size of them) and
 # those queued beyond that (refused with 503 when full). jobs.serve sets both from its arguments.

@@ -15,18 +15,16 @@ they stay in the journal (and so in its synced copy), and nothing outside the ru
 from __future__ import annotations
 
 import json
-import logging
 import time
 
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from app.errors import UserInputError
-from app.runs.claim import RunBusy, RunClaim, describe_owner, this_process
+from app.errors import UserInputError, warn
+from app.runs.claim import RunBusy, claim_of, describe_owner, this_process
 from app.runs.layout import JOURNAL, RUN_RECORD, RunDir
 
-log = logging.getLogger(__name__)
 BATCH = 500
 FIELDS = {"metric": {"metric", "value", "step", "timestamp"}, "param": {"param", "value"},
           "artifacts": {"artifacts", "artifact_path"}, "table": {"table", "artifact_file"}, "status": {"status"}}
@@ -74,7 +72,7 @@ class Journal:
                                  "and train.output_dir")
         if not self.run_dir.exists(JOURNAL):
             return {}
-        claim, owner = RunClaim(self.run_dir), this_process()
+        claim, owner = claim_of(self.run_dir), this_process()
         try:
             claim.take(owner)
         except RunBusy as busy:
@@ -101,8 +99,8 @@ class Journal:
         self.run_dir.write_text(self.run_dir.read_text(JOURNAL), kept)
         self.run_dir.delete(JOURNAL)
         if skipped:
-            log.warning("%s: %d lines were not sent (no journal entry, or a path outside the run directory); "
-                        "they are kept in %s", self.location, len(skipped), self.run_dir.path(kept))
+            warn(f"{self.location}: {len(skipped)} lines were not sent (no journal entry, or a path outside the run "
+                 f"directory); they are kept in {self.run_dir.path(kept)}")
         return counts
 
     def _read(self, counts: dict[str, int]) -> tuple[list[tuple[dict, str]], list[str]]:

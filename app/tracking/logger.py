@@ -10,7 +10,6 @@ once the server is back: nothing is lost, and no MLflow call ever runs while oth
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import threading
@@ -22,10 +21,10 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from app.errors import first_line, warn
 from app.runs.layout import SAMPLES, RunDir
 from app.tracking.journal import Journal
 
-log = logging.getLogger(__name__)
 MAX_PARAM_CHARS = 6000
 
 
@@ -93,9 +92,9 @@ class RunLogger:
         metrics, params = [m for b in unsent for m in b.metrics], [p for b in unsent for p in b.params]
         if self.journal and (metrics or params):
             self.journal.add_metrics_and_params(metrics, params)
-            log.warning("MLflow: %d unsent records written to %s", len(metrics) + len(params), self.journal.location)
+            warn(f"MLflow: {len(metrics) + len(params)} unsent records written to {self.journal.location}")
         if self.failures:
-            log.warning("MLflow was unreachable for %d calls during this run", self.failures)
+            warn(f"MLflow was unreachable for {self.failures} calls during this run")
             self._with_retries(lambda: self.client.set_tag(self.run_id, "mlflow_failed_calls", str(self.failures)),
                                "the outage tag", attempts=1)
 
@@ -120,7 +119,7 @@ class RunLogger:
             return True
         except MlflowException as e:
             if e.error_code == "INVALID_PARAMETER_VALUE":  # rejected, not unreachable: retrying cannot help
-                log.warning("MLflow rejected a batch (%s); it is dropped", str(e).splitlines()[0][:200])
+                warn(f"MLflow rejected a batch ({first_line(e, 200)}); it is dropped")
                 return True
             self._report_failure(e)
         except Exception as e:  # the server being down must not end training
@@ -142,12 +141,12 @@ class RunLogger:
         self.failures += 1
         self._failing_in_a_row += 1
         if self.failures == 1 or self.failures % 30 == 0:
-            log.warning("MLflow unreachable (%d failed calls so far); what it misses is kept and retried: %s",
-                        self.failures, str(error).splitlines()[0][:200])
+            warn(f"MLflow unreachable ({self.failures} failed calls so far); what it misses is kept and retried: "
+                 f"{first_line(error, 200)}")
 
     def _with_retries(self, call, what: str, attempts: int = 3) -> bool:
         if self._failing_in_a_row >= 3:  # the server is down: keep it for `jobs.sync` without waiting
-            log.warning("MLflow: %s not sent (the server is unreachable); kept for `python -m jobs.sync`", what)
+            warn(f"MLflow: {what} not sent (the server is unreachable); kept for `python -m jobs.sync`")
             return False
         for attempt in range(attempts):
             try:
@@ -158,7 +157,7 @@ class RunLogger:
                 self._report_failure(e)
                 if attempt < attempts - 1:
                     time.sleep(self.retry_seconds * (attempt + 1))
-        log.warning("MLflow: could not log %s; it is kept in the run directory for `python -m jobs.sync`", what)
+        warn(f"MLflow: could not log {what}; it is kept in the run directory for `python -m jobs.sync`")
         return False
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import subprocess
 import time
@@ -22,12 +21,10 @@ from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
 from app.data.sources import DataSource
-from app.errors import UserInputError
+from app.errors import UserInputError, first_line, warn
 from app.runs.layout import RunDir
 from app.tracking.journal import Journal
 from app.tracking.logger import MAX_PARAM_CHARS, bound_http_calls
-
-log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -118,13 +115,13 @@ def finish_run(tracking_uri: str, run_id: str, status: str, run_dir: RunDir, att
             MlflowClient(tracking_uri).set_terminated(run_id, status=status)
             return True
         except Exception as e:
-            log.warning("MLflow: could not end run %s as %s (%s)", run_id, status, str(e).splitlines()[0][:200])
+            warn(f"MLflow: could not end run {run_id} as {status} ({first_line(e, 200)})")
             if attempt < attempts - 1:
                 time.sleep(2.0 * (attempt + 1))
     journal = Journal(run_dir)
     journal.add_status(status)
-    log.warning("MLflow unreachable: run %s stays open there until `python -m jobs.sync %s` sends what "
-                "%s keeps", run_id, run_dir.name, journal.location)
+    warn(f"MLflow unreachable: run {run_id} stays open there until `python -m jobs.sync {run_dir.name}` sends "
+         f"what {journal.location} keeps")
     return False
 
 
@@ -135,7 +132,7 @@ def set_tags(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
     try:
         MlflowClient(tracking_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     except Exception as e:
-        log.warning("MLflow: could not tag %s (%s)", ", ".join(tags), str(e).splitlines()[0][:200])
+        warn(f"MLflow: could not tag {', '.join(tags)} ({first_line(e, 200)})")
 
 
 def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]) -> None:
@@ -144,7 +141,7 @@ def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]
     try:
         MlflowClient(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
     except Exception as e:
-        log.warning("MLflow: could not log %s (%s)", ", ".join(metrics), str(e).splitlines()[0][:200])
+        warn(f"MLflow: could not log {', '.join(metrics)} ({first_line(e, 200)})")
 
 
 def reopen_run(tracking_uri: str, run_id: str, job_tags: dict[str, str | None], revision: str | None) -> None:
@@ -176,7 +173,7 @@ def reconcile_runs(tracking_uri: str, ended_jobs: dict[str, str]) -> list[str]:
         experiments = [e.experiment_id for e in client.search_experiments()]
         runs = client.search_runs(experiments, "attributes.status = 'RUNNING'") if experiments else []
     except Exception as e:
-        log.warning("MLflow: runs not reconciled with their jobs (%s)", str(e).splitlines()[0][:200])
+        warn(f"MLflow: runs not reconciled with their jobs ({first_line(e, 200)})")
         return []
     changed = []
     for run in runs:

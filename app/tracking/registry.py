@@ -1,6 +1,6 @@
 """A finished run's adapter as an MLflow Model, registered as a version of `mlflow.registered_model`.
 
-The model is app/serve/pyfunc.py (MLflow "model from code") with the adapter as its artifact and, in its
+The model is app/tracking/pyfunc.py (MLflow "model from code") with the adapter as its artifact and, in its
 model config, the base it needs: a hub id with its pinned revision, or a local path with a digest of
 its weight files' bytes (so a reloaded version can tell it got the same base). The version carries the
 run id, the base model and the run's eval figures as tags.
@@ -9,18 +9,22 @@ run id, the base model and the run's eval figures as tags.
 from __future__ import annotations
 
 import warnings
+from importlib.metadata import version
 from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
 from app.runs.layout import ADAPTER
+from app.tracking.mlflow_run import fluent_tracking_uri
+from app.tracking.pyfunc import weights_digest  # the registered model's own check: one definition
 
-SERVED_MODEL = Path(__file__).parents[1] / "serve" / "pyfunc.py"
+SERVED_MODEL = Path(__file__).parent / "pyfunc.py"
 REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "accelerate", "safetensors")
 
 
 def base_model_record(cfg: FinetuneConfig) -> dict[str, str]:
-    from app.serve.pyfunc import weights_digest  # the served model's own check: one definition
-
     record = {"base_model": cfg.model.path}
     if Path(cfg.model.path).is_dir():
         record["base_model_sha256"] = weights_digest(Path(cfg.model.path))
@@ -30,8 +34,6 @@ def base_model_record(cfg: FinetuneConfig) -> dict[str, str]:
 
 
 def _pinned_requirements() -> list[str]:
-    from importlib.metadata import version
-
     # a local version label (torch's "+cpu") names a build no package index serves: pin the release
     return [f"{name}=={version(name).split('+')[0]}" for name in REQUIREMENTS]
 
@@ -39,11 +41,6 @@ def _pinned_requirements() -> list[str]:
 def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str] | None:
     """Log the adapter as the run's MLflow Model "model" and register it when `mlflow.registered_model`
     is set. Returns {"model_uri", and "registered_model", "version" when registered}."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from app.tracking.mlflow_run import fluent_tracking_uri
-
     base = base_model_record(cfg)
     adapter, _download = cfg.run_dir.local_copy(ADAPTER)  # the download lives as long as this call
     with (fluent_tracking_uri(cfg.mlflow.tracking_uri), mlflow.start_run(run_id=run_id, log_system_metrics=False),

@@ -33,13 +33,22 @@ _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 @dataclass
 class TrainerState:
     step: int  # optimizer steps completed
-    epoch: int  # passes over the training data started
-    rows_into_epoch: int  # global rows of the current pass already trained on
+    pass_index: int  # passes over the training data started
+    rows_into_pass: int  # global rows of the current pass already trained on
     scheduler: dict
     initial_eval_loss: float  # of the untrained model, kept for the run's summary
     train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
     best: dict = field(default_factory=dict)  # app.evaluation.BestEvaluation.state()
     stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
+
+
+# checkpoints written before "pass" named what they called "epoch": still resumed
+_RENAMED = {"epoch": "pass_index", "rows_into_epoch": "rows_into_pass"}
+
+
+def trainer_state(text: str) -> TrainerState:
+    """TrainerState from its JSON in a checkpoint (of this version or an earlier one)."""
+    return TrainerState(**{_RENAMED.get(key, key): value for key, value in json.loads(text).items()})
 
 
 def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState, device: torch.device,
@@ -69,7 +78,7 @@ def load_training_state(directory: Path, model: nn.Module, optimizer, device: to
     rng = directory / f"rng-rank{dist.get_rank()}.pt"
     if rng.exists():  # absent when resuming on more ranks than saved: the seed set at start stands
         restore_rng_states(torch.load(rng), device)
-    return TrainerState(**json.loads((directory / TRAINER_STATE).read_text()))
+    return trainer_state((directory / TRAINER_STATE).read_text())
 
 
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:

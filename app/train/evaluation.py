@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
 from app.data.stream import to_device
 from app.train.host_memory import release_free_host_memory
 from app.train.loss import summed_token_loss, target_token_count

@@ -11,17 +11,14 @@ the ranks must stay in lockstep); a rank with no prompt left decodes a stand-in.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
+from app.errors import warn_once
 from app.train.host_memory import release_free_host_memory
-
-log = logging.getLogger(__name__)
 
 
 def target_runs(labels: torch.Tensor) -> list[tuple[int, int]]:
@@ -99,11 +96,6 @@ def answer_length(reference: torch.Tensor, end_ids: list[int]) -> int:
     return int(ended[0, 0]) if len(ended) else len(reference)
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)
-
-
 def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_new_tokens: int,
                      device: torch.device, max_new_tokens_setting: str = "eval.max_new_tokens") -> dict[str, list[str]]:
     """A table (column -> values) of prompt, reference and generated text for up to `count` eval prompts,
@@ -114,7 +106,7 @@ def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_
     end_ids = end_token_ids(model, tokenizer)
     too_long = sum(answer_length(reference, end_ids) > max_new_tokens for _, reference in pairs)
     if too_long and rank == 0:
-        _warn_once(f"{too_long} of {len(pairs)} reference answers are longer than {max_new_tokens_setting}="
+        warn_once(f"{too_long} of {len(pairs)} reference answers are longer than {max_new_tokens_setting}="
                    f"{max_new_tokens} tokens: their generations are cut short and can never match them; "
                    f"raise {max_new_tokens_setting}")
     mine = list(range(rank, len(pairs), world))

@@ -13,18 +13,14 @@ logits of one chunk exist at a time (fp32 logits of seq 2048 x micro 2 x a 128k 
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
+from app.errors import warn_once
 from app.model.packing_probe import packed_row_inputs
-
-log = logging.getLogger(__name__)
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:
@@ -109,7 +105,7 @@ def _head_input(model, head: nn.Linear, inputs: dict, softcap: float | None) -> 
         _HEAD_CHECKED.add(lm_class)
         return seen[0]
     _PLAIN_LOSS.add(lm_class)
-    _warn_once(f"train.loss_chunk_tokens: {lm_class.__name__} {problem}; it takes the plain loss (full logits)")
+    warn_once(f"train.loss_chunk_tokens: {lm_class.__name__} {problem}; it takes the plain loss (full logits)")
     return None
 
 
@@ -123,11 +119,6 @@ def _logits_are_the_heads(logits: torch.Tensor, softcap: float | None, shape: to
 
 _HEAD_CHECKED: set[type] = set()  # CausalLM classes whose logits are their head's output, softcapped or not
 _PLAIN_LOSS: set[type] = set()  # and those whose loss the chunked loss does not give
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)
 
 
 def _as_one_sequence_for_flash(model, batch: dict) -> dict:

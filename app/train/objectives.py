@@ -16,15 +16,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from app.config.schema import FinetuneConfig
+from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pairs, scaled_micro_batch_dpo_loss
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
 from app.train.loss import global_target_tokens, scaled_micro_batch_loss
-from app.train.preference import (
-    METRICS,
-    global_pair_count,
-    metrics_from_sums,
-    real_pairs,
-    scaled_micro_batch_dpo_loss,
-)
 from app.train.ranks import RankContext
 
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from app.config.schema import FinetuneConfig
-from app.data.stream import PassOverShard, ShardStream
-from app.model.build import load_tokenizer
-from app.model.hardware import has_fast_bf16
-from app.model.sharded_loading import build_sharded_lora_model
+from app.data.stream import RankPass, RankStream
+from app.model.base import load_tokenizer
+from app.model.build import build_training_model
+from app.model.hardware import has_fast_bf16, with_dtypes_resolved
 from app.model.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.runs.layout import RunDir
 from app.train.checkpoint import (
@@ -91,11 +91,12 @@ class FinetuneRecipe:
     start-up clock the worker began (its points before this recipe existed), else one from now on.
     """
 
-    def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: PassOverShard,
+    def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: RankPass,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
                  checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
                  job_start_time: float | None = None, source_names: tuple[str, ...] = (),
-                 init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None):
+                 init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None,
+                 pace: Callable[[int], None] | None = None):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.run_dir = checkpoints, run_dir
@@ -108,54 +109,77 @@ class FinetuneRecipe:
         self.objective = objective_for(cfg)
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
         self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
+        self.pace = pace  # the resilience tests' slower steps (app/launch/faults.py); None in every real run
         self.notice = DrainNotice()
         self.loop_seconds = self.save_seconds = 0.0  # the last step's (all of it) and checkpoint's, for a drain
         self.last_drain_check = time.perf_counter()
+        # built by setup(): the sharded model and what trains it, and the stream of this rank's micro-batches
+        self.tokenizer = self.model = self.optimizer = self.scheduler = self.batches = None
+        self.params: list[torch.nn.Parameter] = []
+        # where the run stands: the latest checkpoint's, or step 0 (setup() decides)
+        self.state: TrainerState | None = None
+        self.step, self.train_loss, self.stopped_early = 0, math.nan, False
+        # this attempt's latest evaluation, and the run's best (its adapter weights too with train.export=best)
+        self.eval_loss: float | None = None
+        self.eval_figures: dict[str, float] = {}
+        self.generations: dict[str, list] = {}
+        self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience)
+        self.best_adapter: dict[str, torch.Tensor] | None = None
 
     def setup(self) -> None:
-        ctx = self.ctx
+        """The model and its optimizer; then where the run stands: the latest checkpoint (a restarted worker group
+        or a resumed run), or step 0, evaluated first with train.eval_on_start."""
         self.startup.reached("worker_started")
-        cfg = self.cfg = self.cfg.with_dtypes_resolved(on_every_rank(has_fast_bf16(ctx.device), ctx))
+        self.build_model()
+        self.startup.reached("model_built")
+        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer,
+                                                                             self.ctx.device), load_best_adapter(d)))
+                    if self.checkpoints else None)
+        if restored is None:
+            self.start_fresh()
+        else:
+            self.continue_from(*restored)
+        self.batches = RankStream(self.train_pass, self.ctx.device, self.state.pass_index, self.state.rows_into_pass,
+                                  self.ctx.rank, self.ctx.world_size)
+        self.startup.reached("setup_done")  # optimizer, the restore check, step 0's figures logged
+
+    def build_model(self) -> None:
+        """`auto` dtypes agreed by every rank, the tokenizer, the FSDP2-sharded LoRA model (its adapter from the
+        seed or model.init_adapter), AdamW over the LoRA weights and the LR schedule."""
+        ctx = self.ctx
+        cfg = self.cfg = with_dtypes_resolved(self.cfg, on_every_rank(has_fast_bf16(ctx.device), ctx))
         self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
                                  "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
-        self.model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp,
-                                              build_device_mesh(ctx.device.type, cfg.scaling.mesh),
-                                              cfg.train.seed, ctx.device, self.init_adapter,
-                                              reference=self.objective.has_reference and self.init_adapter is not None)
+        self.model = build_training_model(cfg.model, cfg.lora, cfg.fsdp,
+                                          build_device_mesh(ctx.device.type, cfg.scaling.mesh_shape(ctx.world_size)),
+                                          cfg.train.seed, ctx.device, self.init_adapter,
+                                          reference=self.objective.has_reference and self.init_adapter is not None)
         self.init_adapter = None  # copied into the shards
-        self.startup.reached("model_built")
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
                                            weight_decay=cfg.train.weight_decay)
         self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
                                        num_warmup_steps=cfg.train.warmup_steps,
                                        num_training_steps=cfg.train.max_steps)
-        restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer, ctx.device),
-                                                         load_best_adapter(d)))
-                    if self.checkpoints else None)
-        self.best, self.best_adapter = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience), None
-        self.eval_loss = None  # nothing evaluated in this attempt yet
-        if restored is None:
-            figures = self.evaluate() if cfg.train.eval_on_start else {}
-            self.state = TrainerState(step=0, epoch=0, rows_into_epoch=0, scheduler={},
-                                      initial_eval_loss=self.eval_loss if figures else math.nan)
-            if figures:
-                self.rank_evaluation(0)
-                self.startup.reached("initial_eval_done")
-            self.tracker.log_metrics(figures | self.startup.seconds, step=0)
-        else:
-            self.state, self.best_adapter = restored
-            self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **self.state.best)
-            self.scheduler.load_state_dict(self.state.scheduler)
-            self.tracker.log_metrics({"resumed_from_step": self.state.step}, step=self.state.step,
-                                     once_per_step=False)
-        self.batches = ShardStream(self.train_pass, ctx.device, self.state.epoch, self.state.rows_into_epoch,
-                                   ctx.rank, ctx.world_size)
-        self.train_loss, self.step = self.state.train_loss, self.state.step
-        self.stopped_early = self.state.stopped_early
-        self.startup.reached("setup_done")  # optimizer, the restore check, step 0's figures logged
+
+    def start_fresh(self) -> None:
+        figures = self.evaluate() if self.cfg.train.eval_on_start else {}
+        self.state = TrainerState(step=0, pass_index=0, rows_into_pass=0, scheduler={},
+                                  initial_eval_loss=self.eval_loss if figures else math.nan)
+        if figures:
+            self.rank_evaluation(0)
+            self.startup.reached("initial_eval_done")
+        self.tracker.log_metrics(figures | self.startup.seconds, step=0)
+
+    def continue_from(self, state: TrainerState, best_adapter: dict[str, torch.Tensor] | None) -> None:
+        cfg = self.cfg
+        self.state, self.best_adapter = state, best_adapter
+        self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **state.best)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.step, self.train_loss, self.stopped_early = state.step, state.train_loss, state.stopped_early
+        self.tracker.log_metrics({"resumed_from_step": state.step}, step=state.step, once_per_step=False)
 
     def train(self) -> dict[str, float]:
         """setup, then the loop, then finish: what each worker runs."""
@@ -177,6 +201,8 @@ class FinetuneRecipe:
                 progress.line(step, metrics)
             if self.stopped_early:
                 break
+            if self.pace is not None:
+                self.pace(step)
             drain = self.drain_checkpoint_due(step)
             if self.checkpoints and (step % self.cfg.train.checkpoint_every == 0 or drain) and step != last:
                 self.save_checkpoint(step)
@@ -285,7 +311,7 @@ class FinetuneRecipe:
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
         """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
         reads it from Ray Train, not from MLflow)."""
-        position = TrainerState(step, self.batches.epoch, self.batches.rows_into_epoch, self.scheduler.state_dict(),
+        position = TrainerState(step, self.batches.pass_index, self.batches.rows_into_pass, self.scheduler.state_dict(),
                                 self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early)
         t_save = time.perf_counter()
         self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,

@@ -10,13 +10,12 @@ over the rows is logged as `eval_<name>` (a user function: `eval_<function>`).
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable
 
+from app.config.sections import BUILTIN_METRICS, metric_name
 from app.errors import UserInputError
 
 MetricFn = Callable[[str, str], float]
-USER_METRIC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 def _normalized(text: str) -> str:
@@ -33,16 +32,7 @@ def contains(prediction: str, reference: str) -> float:
     return float(_normalized(reference) in _normalized(prediction))
 
 
-BUILTIN: dict[str, MetricFn] = {"exact_match": exact_match, "contains": contains}
-
-
-def metric_name(spec: str) -> str:
-    """The MLflow metric a spec logs to: eval_exact_match, or eval_<function> for `module:function`."""
-    return f"eval_{spec.rsplit(':', 1)[-1]}"
-
-
-def is_valid_spec(spec: str) -> bool:
-    return spec in BUILTIN or bool(USER_METRIC.fullmatch(spec))
+BUILTIN: dict[str, MetricFn] = dict(zip(BUILTIN_METRICS, (exact_match, contains), strict=True))
 
 
 def resolve(spec: str) -> MetricFn:

@@ -11,14 +11,14 @@ import pytest
 import ray
 import torch
 
-from app.data.coordinator import DataNotBuilt, load_passes, shard_batches, start_pass_coordinator
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
+from app.data.coordinator import DataNotBuilt, batches_of, load_passes, start_pass_coordinator
 from app.data.passes import pass_order, take_rows
 from app.data.pipeline import build_eval_rows, build_train_data, is_held_out
 from app.data.sources import check_source, resolve_source
-from app.data.stream import ShardStream
+from app.data.stream import RankStream
 from app.errors import UserInputError
-from app.model.build import load_tokenizer
+from app.model.base import load_tokenizer
 from app.model.embedded import number_in_words
 from tests.helpers import chat, make_config, write_jsonl
 
@@ -46,7 +46,7 @@ def _numbered(count: int, start: int = 0) -> list[dict]:
 
 def _train_data(cfg, *paths, eval_fraction=None, tokenizer=None):
     """Small test data: tokenized in the driver, unless a test sends it through the tokenizer actors."""
-    from app.model.build import load_tokenizer
+    from app.model.base import load_tokenizer
 
     sources = [resolve_source(str(p)) for p in paths]
     return build_train_data(sources, [check_source(s, "auto") for s in sources], tokenizer or load_tokenizer(cfg.model),
@@ -110,9 +110,9 @@ def _answers(batches, tokenizer) -> list[str]:
     return answers
 
 
-def _pass(train, epoch: int, world: int, shuffle: bool = True) -> list:
+def _pass(train, pass_index: int, world: int, shuffle: bool = True) -> list:
     tables = [pa.concat_tables(ray.get(rows.to_arrow_refs())) for rows in train.sources]
-    return [take_rows(tables, order) for order in pass_order(train.plan, epoch, world, shuffle)]
+    return [take_rows(tables, order) for order in pass_order(train.plan, pass_index, world, shuffle)]
 
 
 def test_a_sorted_file_gives_mixed_batches_and_every_pass_its_own_order(ray_cluster, embedded, tokenizer, tmp_path):
@@ -120,12 +120,12 @@ def test_a_sorted_file_gives_mixed_batches_and_every_pass_its_own_order(ray_clus
     write_jsonl(tmp_path / "sorted.jsonl", [chat("Say it.", "first")] * 64 + [chat("Say it.", "second")] * 64)
     train, _ = _train_data(cfg, tmp_path / "sorted.jsonl")
     pass0, pass1 = _pass(train, 0, 2), _pass(train, 1, 2)
-    first_batch = _answers(shard_batches(pass0[0].slice(0, 16), 16), tokenizer)
+    first_batch = _answers(batches_of(pass0[0].slice(0, 16), 16), tokenizer)
     assert {"first", "second"} <= set(first_batch)  # file order would give 16 x "first"
     assert [s.num_rows for s in pass0] == [64, 64]
     assert all(a.equals(b) for a, b in zip(pass0, _pass(train, 0, 2)))  # the same seed: the same shards
-    assert _answers(shard_batches(pass0[0], 64), tokenizer) != _answers(shard_batches(pass1[0], 64), tokenizer)
-    in_file_order = _answers(shard_batches(_pass(train, 0, 2, shuffle=False)[0], 64), tokenizer)
+    assert _answers(batches_of(pass0[0], 64), tokenizer) != _answers(batches_of(pass1[0], 64), tokenizer)
+    in_file_order = _answers(batches_of(_pass(train, 0, 2, shuffle=False)[0], 64), tokenizer)
     assert in_file_order == ["first"] * 32 + ["second"] * 32  # data.shuffle=false: file order, dealt in turn
 
 
@@ -144,17 +144,17 @@ def test_ranks_that_ask_before_the_data_is_built_wait_for_it_or_get_why_it_faile
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
     train, _ = _train_data(cfg, tmp_path / "numbers.jsonl")
     early = start_pass_coordinator(2, cfg.data)
-    asked = [early.shard.remote(0, rank, 2) for rank in (0, 1)]
+    asked = [early.rank_rows.remote(0, rank, 2) for rank in (0, 1)]
     asked_eval = early.eval_rows.remote()
     assert ray.wait([*asked, asked_eval], num_returns=3, timeout=2)[0] == []  # nothing to hand out yet
     load_passes(early, train, {"input_ids": np.arange(3)})
     loaded_first = _coordinator(train, 2, cfg.data)
     for rank, ref in enumerate(asked):
-        assert ray.get(ray.get(ref)[0]).equals(ray.get(ray.get(loaded_first.shard.remote(0, rank, 2))[0]))
+        assert ray.get(ray.get(ref)[0]).equals(ray.get(ray.get(loaded_first.rank_rows.remote(0, rank, 2))[0]))
     assert ray.get(ray.get(asked_eval)[0])["input_ids"].tolist() == [0, 1, 2]
 
     failed = start_pass_coordinator(2, cfg.data)
-    waiting = failed.shard.remote(0, 1, 2)
+    waiting = failed.rank_rows.remote(0, 1, 2)
     failed.fail.remote("data.train_path: numbers has no record left to train on")
     with pytest.raises(ray.exceptions.RayTaskError, match="numbers has no record left") as raised:
         ray.get(waiting, timeout=60)
@@ -166,10 +166,10 @@ def test_ranks_that_ask_before_the_data_is_built_wait_for_it_or_get_why_it_faile
 def _consume(coordinator, rank: int, world: int, rows: int, pass_rows_done: int, tokenizer) -> list[str]:
     """`rows` answers of rank `rank`'s shard of pass 0 dealt to `world` ranks, after the pass's first
     `pass_rows_done` rows (a checkpoint's position)."""
-    def one_pass(epoch):
-        [shard] = ray.get(coordinator.shard.remote(epoch, rank, world))
-        return shard_batches(ray.get(shard), 1)
-    stream = ShardStream(one_pass, torch.device("cpu"), 0, pass_rows_done, rank, world)
+    def one_pass(pass_index):
+        [shard] = ray.get(coordinator.rank_rows.remote(pass_index, rank, world))
+        return batches_of(ray.get(shard), 1)
+    stream = RankStream(one_pass, torch.device("cpu"), 0, pass_rows_done, rank, world)
     return _answers([{k: v.numpy() for k, v in next(stream).items()} for _ in range(rows)], tokenizer)
 
 
@@ -188,7 +188,7 @@ def test_a_resumed_or_resized_pass_trains_every_record_exactly_once(ray_cluster,
     before = [a for rank in (0, 1) for a in _consume(first_job, rank, 2, rows // 2, 0, tokenizer)]
     done = rows // 2 * 2  # the pass rows both ranks trained
 
-    rows_on_one = ray.get(ray.get(first_job.shard.remote(0, 0, 1))[0]).num_rows
+    rows_on_one = ray.get(ray.get(first_job.rank_rows.remote(0, 0, 1))[0]).num_rows
     whole_on_one = _consume(first_job, 0, 1, rows_on_one, 0, tokenizer)
     shrunk = _consume(first_job, 0, 1, rows_on_one - done, done, tokenizer)
     assert sorted(before + shrunk) == sorted(whole_on_one)  # on one worker: the rest of the same pass
@@ -219,7 +219,7 @@ def test_a_restarted_worker_group_gets_an_old_pass_again(ray_cluster, embedded, 
     cfg = make_config(tmp_path, embedded)
     write_jsonl(tmp_path / "numbers.jsonl", _numbered(12))
     coordinator = _coordinator(_train_data(cfg, tmp_path / "numbers.jsonl")[0], 2, cfg.data)
-    first = ray.get(ray.get(coordinator.shard.remote(0, 1, 2))[0])
-    for epoch in (1, 2, 3):
-        ray.get(coordinator.shard.remote(epoch, 1, 2))
-    assert ray.get(ray.get(coordinator.shard.remote(0, 1, 2))[0]).equals(first)
+    first = ray.get(ray.get(coordinator.rank_rows.remote(0, 1, 2))[0])
+    for pass_index in (1, 2, 3):
+        ray.get(coordinator.rank_rows.remote(pass_index, 1, 2))
+    assert ray.get(ray.get(coordinator.rank_rows.remote(0, 1, 2))[0]).equals(first)

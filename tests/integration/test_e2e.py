@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.data.formatting import tokenize_rows
 from app.data.packing import first_fit
 from app.errors import UserInputError

@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from app.launch.driver import run_finetune
-from app.model.build import load_tokenizer
+from app.model.base import load_tokenizer
 from app.train.loss import summed_token_loss, target_token_count
 from tests.helpers import NO_DECODING, make_config, tiny_checkpoint, write_jsonl
 
@@ -23,7 +23,7 @@ def _reloaded_eval_loss(model_path, adapter_path, eval_path, max_seq_len: int) -
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from app.config.schema import ModelSection
+    from app.config.sections import ModelSection
     from app.data.formatting import tokenize_rows
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),

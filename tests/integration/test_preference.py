@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.launch.driver import run_finetune
-from app.train.preference import METRICS
+from app.train.dpo import METRICS
 
 pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded_dpo.yaml"

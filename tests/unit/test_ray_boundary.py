@@ -9,8 +9,12 @@ import sys
 import app
 
 RAY_MODULES = {
-    "app.launch.driver",  # ray.init, the TorchTrainer
-    "app.launch.worker",  # Ray Train's per-worker entry point
+    "app.launch.driver",  # ray.shutdown of a cluster it started
+    "app.launch.cluster",  # ray.init, the cluster's resources
+    "app.launch.data_build",  # Ray Data, the pass coordinator actor
+    "app.launch.trainer",  # the TorchTrainer
+    "app.launch.rank",  # Ray Train's context, checkpoints and preemption notices inside a worker
+    "app.launch.recording",  # the Ray job id, for the MLflow run's tags
     "app.launch.console",  # quiets Ray's own loggers
     "app.data.pipeline",  # Ray Data: read, tokenize
     "app.data.coordinator",  # the pass coordinator actor

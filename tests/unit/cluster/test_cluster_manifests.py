@@ -18,7 +18,7 @@ import pytest
 import yaml
 from mlflow.exceptions import RestException
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from tests.helpers import REPO
 from tests.unit.cluster.manifests import (
     CLUSTER,

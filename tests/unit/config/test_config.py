@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
+from app.model.hardware import with_dtypes_resolved
 from tests.helpers import EMBEDDED_CONFIG
 
 
@@ -116,8 +117,8 @@ def test_fp16_compute_without_loss_scaling_is_refused_and_auto_resolves_by_hardw
         load_config(EMBEDDED_CONFIG, ["fsdp.param_dtype=float16"])
     cfg = load_config(EMBEDDED_CONFIG)
     assert (cfg.model.dtype, cfg.fsdp.param_dtype) == ("auto", "auto")
-    assert cfg.with_dtypes_resolved(fast_bf16=True).fsdp.param_dtype == "bfloat16"
-    assert cfg.with_dtypes_resolved(fast_bf16=False).model.dtype == "float32"
+    assert with_dtypes_resolved(cfg, fast_bf16=True).fsdp.param_dtype == "bfloat16"
+    assert with_dtypes_resolved(cfg, fast_bf16=False).model.dtype == "float32"
 
 
 def test_a_chat_template_file_travels_as_its_text(tmp_path):

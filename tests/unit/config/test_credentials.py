@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from app.config.loading import load_config
 from app.config.paths import export_tracking_credentials
-from app.config.schema import load_config
 from app.errors import UserInputError
 from tests.helpers import EMBEDDED_CONFIG
 

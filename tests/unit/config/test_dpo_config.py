@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
 from tests.helpers import EMBEDDED_CONFIG
 

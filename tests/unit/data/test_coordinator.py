@@ -13,9 +13,9 @@ def _builder(world: int):
     """A build function that names each rank's shard, and how many times it built each pass."""
     builds = Counter()
 
-    def build(epoch: int) -> list[str]:
-        builds[epoch] += 1
-        return [f"pass {epoch} rank {rank}" for rank in range(world)]
+    def build(pass_index: int) -> list[str]:
+        builds[pass_index] += 1
+        return [f"pass {pass_index} rank {rank}" for rank in range(world)]
     return builds, build
 
 
@@ -24,10 +24,10 @@ def test_a_pass_is_kept_until_every_rank_has_asked_for_a_later_one():
     run several passes ahead of another."""
     builds, build = _builder(2)
     cache = PassCache(build, 2)
-    assert [cache.shard(epoch, 1) for epoch in range(4)] == [f"pass {e} rank 1" for e in range(4)]
-    assert [cache.shard(epoch, 0) for epoch in range(4)] == [f"pass {e} rank 0" for e in range(4)]
-    assert all(builds[epoch] == 1 for epoch in range(4))  # none dropped while rank 0 still needed it
-    assert cache.shard(1, 1) == "pass 1 rank 1"  # a restarted worker group asks for an older pass again
+    assert [cache.rank_rows(pass_index, 1) for pass_index in range(4)] == [f"pass {e} rank 1" for e in range(4)]
+    assert [cache.rank_rows(pass_index, 0) for pass_index in range(4)] == [f"pass {e} rank 0" for e in range(4)]
+    assert all(builds[pass_index] == 1 for pass_index in range(4))  # none dropped while rank 0 still needed it
+    assert cache.rank_rows(1, 1) == "pass 1 rank 1"  # a restarted worker group asks for an older pass again
     assert builds[1] == 2  # rebuilt: dropped once both ranks had asked for pass 3
 
 
@@ -40,8 +40,8 @@ def test_ranks_at_different_speeds_each_get_every_pass_built_once():
     def rank_loop(rank: int) -> None:
         pause = random.Random(rank).random
         try:
-            for epoch in range(passes):
-                got[rank, epoch] = cache.shard(epoch, rank)
+            for pass_index in range(passes):
+                got[rank, pass_index] = cache.rank_rows(pass_index, rank)
                 time.sleep(pause() / 1000)
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             errors.append(e)
@@ -53,4 +53,4 @@ def test_ranks_at_different_speeds_each_get_every_pass_built_once():
         thread.join()
     assert errors == []
     assert got == {(r, e): f"pass {e} rank {r}" for r in range(world) for e in range(passes)}
-    assert all(builds[epoch] == 1 for epoch in range(passes))
+    assert all(builds[pass_index] == 1 for pass_index in range(passes))

@@ -5,10 +5,12 @@ import copy
 import numpy as np
 import pytest
 
-from app.config.schema import ModelSection
-from app.data.formatting import IGNORE_INDEX, check_chat_template, detect_format, tokenize_record, tokenize_rows
+from app.config.sections import ModelSection
+from app.data.chat import IGNORE_INDEX
+from app.data.conversations import tokenize_record
+from app.data.formatting import check_chat_template, detect_format, tokenize_rows
 from app.errors import UserInputError
-from app.model.build import load_tokenizer
+from app.model.base import load_tokenizer
 
 
 @pytest.fixture(scope="module")

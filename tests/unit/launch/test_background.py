@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from app.launch.driver import in_background
+from app.launch.background import in_background
 
 
 def test_the_result_and_the_error_reach_whoever_asks():

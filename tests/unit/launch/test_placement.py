@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import ray
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
-from app.launch.driver import check_placement
+from app.launch.cluster import check_placement
 
 
 def _node(address: str, cpus: float, alive: bool = True) -> dict:

@@ -2,7 +2,7 @@
 
 import warnings
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.model.build import build_lora_model
 from tests.helpers import tiny_checkpoint
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.errors import UserInputError
-from app.launch.inputs import read_init_adapter
+from app.launch.model_checks import read_init_adapter
 from tests.helpers import make_config, tiny_checkpoint
 
 

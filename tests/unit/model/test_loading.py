@@ -6,13 +6,13 @@ checkpoint whose keys transformers renames on load (GPT-NeoX)."""
 import pytest
 import torch
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
-from app.model.build import build_lora_model
-from app.model.lora_init import base_param_name
+from app.model.adapter import base_param_name
+from app.model.build import build_lora_model, build_training_model
 from app.model.memory_plan import plan_memory
-from app.model.sharded_loading import build_sharded_lora_model, sharded_loading_problem
 from app.model.sharding import build_device_mesh, reshard
+from app.model.slices import slice_loading_problem
 from tests.helpers import run_ranks, tiny_checkpoint
 
 OVERRIDES = ["fsdp.param_dtype=float32", "model.dtype=float32", "lora.dropout=0", "model.gradient_checkpointing=false"]
@@ -21,7 +21,7 @@ IDS = torch.arange(3, 35).reshape(2, 16)
 
 def _load_and_score(rank: int, model_path: str, load: str, mesh: list[int] | None, out: str, *extra: str) -> None:
     cfg = load_config(None, [f"model.path={model_path}", f"model.load={load}", *OVERRIDES, *extra])
-    model = build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu", mesh), 0,
+    model = build_training_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu", mesh), 0,
                                      torch.device("cpu"))
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
@@ -84,7 +84,7 @@ def test_tied_and_renamed_checkpoints_load_sharded_like_the_full_path(architectu
     """qwen2 and gemma2 tie lm_head to the embedding (3 ranks: shards of uneven size); GPT-NeoX's
     checkpoint stores its head as `embed_out`, which transformers renames to `lm_head`."""
     model_path = tiny_checkpoint(architecture, tmp_path / architecture, embedded["model"])
-    assert sharded_loading_problem(load_config(None, [f"model.path={model_path}"]).model) is None
+    assert slice_loading_problem(load_config(None, [f"model.path={model_path}"]).model) is None
     reference, expected = _reference(model_path)
     sharded, whole = _both_paths(tmp_path, model_path, world)
     torch.testing.assert_close(sharded["logits"], expected, rtol=1e-5, atol=1e-5)
@@ -119,13 +119,13 @@ def test_a_checkpoint_missing_a_weight_is_named_in_the_driver(embedded, tmp_path
     save_file(weights, model_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserInputError, match="no weight in its safetensors files for "
                                              "model.layers.1.mlp.down_proj.weight; the checkpoint does not match"):
-        sharded_loading_problem(load_config(None, [f"model.path={model_path}"]).model)
+        slice_loading_problem(load_config(None, [f"model.path={model_path}"]).model)
 
 
 def test_fused_experts_make_the_job_load_the_model_whole_with_a_warning(embedded, tmp_path, capsys):
     """Mixtral's checkpoint stores each expert apart; transformers stacks them into one tensor on load,
     which no row slice of the file gives: the driver switches to model.load=full and says why."""
-    from app.launch.inputs import with_loadable_model
+    from app.launch.model_checks import with_loadable_model
 
     model_path = tiny_checkpoint("mixtral", tmp_path / "mixtral", embedded["model"])
     cfg = load_config(None, [f"model.path={model_path}", "model.load=sharded"])
@@ -141,7 +141,7 @@ def test_the_meta_built_model_has_the_checkpoints_generation_config(embedded, tm
     one): decoding stops on them (app/train/generation.py) whichever way the model loads."""
     from transformers import GenerationConfig
 
-    from app.model.sharded_loading import build_meta_base_model
+    from app.model.base import build_meta_base_model
 
     path = tiny_checkpoint("gemma2", tmp_path / "gemma2", embedded["model"])
     GenerationConfig(bos_token_id=1, eos_token_id=[3, 7], pad_token_id=0).save_pretrained(path)

@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from app.data.formatting import IGNORE_INDEX
+from app.data.chat import IGNORE_INDEX
 from app.model.packing_probe import SMALL_SIZES, packing_isolation
 from app.train.loss import summed_token_loss
 

@@ -3,7 +3,7 @@ memory the way FSDP does, a fit verdict, and a one-line error for a model it can
 
 import pytest
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.model.build import build_lora_model
 from app.model.memory_plan import plan_memory
 from jobs.plan import main

@@ -5,13 +5,12 @@ base being the loss over its dequantized weights, and LoRA training over it."""
 import pytest
 import torch
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
-from app.launch.inputs import check_nf4_shapes
-from app.model.build import build_lora_model
+from app.launch.model_checks import check_nf4_shapes
+from app.model.build import build_lora_model, build_training_model
 from app.model.memory_plan import plan_memory
 from app.model.quantization import NF4_BLOCK, is_nf4, quantizable_linears, quantize_nf4, scaler_block_size
-from app.model.sharded_loading import build_sharded_lora_model
 from app.model.sharding import build_device_mesh, decoder_layers, reshard, trainable_parameters
 from tests.helpers import run_ranks
 
@@ -48,7 +47,7 @@ def _nf4_parts(model) -> dict[str, list[torch.Tensor]]:
 
 def _build(model_path: str, load: str):
     cfg = load_config(None, [f"model.path={model_path}", f"model.load={load}", "model.quantization=nf4", *OVERRIDES])
-    return build_sharded_lora_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, torch.device("cpu"))
+    return build_training_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, torch.device("cpu"))
 
 
 def _train(model, steps: int) -> list[float]:

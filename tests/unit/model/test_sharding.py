@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.config.schema import load_config
-from app.model.build import build_lora_model, load_tokenizer
+from app.config.loading import load_config
+from app.model.base import load_tokenizer
+from app.model.build import build_lora_model
 from app.model.sharding import build_device_mesh, decoder_layers, shard_model, trainable_parameters
 from app.train.checkpoint import gather_trainable_state, save_adapter
 from tests.helpers import run_ranks

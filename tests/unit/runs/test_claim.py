@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
-from app.runs.claim import RunBusy, RunClaim, claimed_run, this_process
+from app.runs.claim import RunBusy, claim_of, claimed_run, this_process
 from app.runs.layout import RunDir
 from tests.helpers import EMBEDDED_CONFIG
 
@@ -46,7 +46,7 @@ def ended_process() -> dict:
 def takes_over(cfg) -> bool:
     """Whether a new job gets the run; inside, the claim is its own."""
     try:
-        with claimed_run(cfg, resume=False):
+        with claimed_run(cfg.run_dir, resume=False):
             assert json.loads((Path(cfg.run_dir.root) / "writer.json").read_text())["pid"] == os.getpid()
             return True
     except UserInputError as e:
@@ -55,7 +55,7 @@ def takes_over(cfg) -> bool:
 
 
 def test_one_writer_at_a_time_and_a_dead_writers_claim_is_taken_over(tmp_path):
-    claim = RunClaim(RunDir(str(tmp_path / "run")))
+    claim = claim_of(RunDir(str(tmp_path / "run")))
     first, second = this_process() | {"job": "a"}, this_process() | {"job": "b"}
     claim.take(first)
     with pytest.raises(RunBusy) as busy:
@@ -72,7 +72,7 @@ def test_one_writer_at_a_time_and_a_dead_writers_claim_is_taken_over(tmp_path):
 
 
 def test_a_dead_process_holds_no_claim(tmp_path):
-    claim = RunClaim(RunDir(str(tmp_path / "run")))
+    claim = claim_of(RunDir(str(tmp_path / "run")))
     claim.take(this_process())
     assert claim.current().is_live()
     (tmp_path / "run" / "writer.json").write_text(json.dumps(ended_process()))
@@ -101,7 +101,7 @@ def test_a_claim_from_another_host_lapses_when_its_lease_is_not_renewed(cfg):
 
 def test_the_owner_renews_its_claim_while_it_holds_it(cfg, monkeypatch):
     monkeypatch.setattr("app.runs.claim.LEASE_SECONDS", 0.5)
-    with claimed_run(cfg, resume=False):
+    with claimed_run(cfg.run_dir, resume=False):
         claim = Path(cfg.run_dir.root) / "writer.json"
         os.utime(claim, (1.0, 1.0))  # as if not renewed for decades
         deadline = time.time() + 5
@@ -112,7 +112,7 @@ def test_the_owner_renews_its_claim_while_it_holds_it(cfg, monkeypatch):
 
 def test_a_claim_from_another_host_lives_while_its_owner_renews_it(tmp_path, monkeypatch):
     monkeypatch.setattr("app.runs.claim.LEASE_SECONDS", 0.5)
-    claim = RunClaim(RunDir(str(tmp_path / "run")))
+    claim = claim_of(RunDir(str(tmp_path / "run")))
     elsewhere = this_process() | {"host": "another-node"}
     claim.take(elsewhere)
     with claim.lease(elsewhere):
@@ -149,7 +149,7 @@ def test_two_jobs_taking_over_one_stale_claim_at_once_leave_exactly_one_owner(cf
 
 def take_over(cfg, outcomes: list, both_tried: threading.Barrier) -> None:
     try:
-        with claimed_run(cfg, resume=False):
+        with claimed_run(cfg.run_dir, resume=False):
             outcomes.append("owner")
             both_tried.wait()  # the owner holds the run while the other tries
     except UserInputError:

@@ -8,7 +8,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.errors import UserInputError
 from app.runs.claim import this_process
 from app.runs.layout import RunDir
@@ -70,7 +70,7 @@ def test_run_names_and_set_values_are_checked(override, message):
 
 
 def test_the_ray_job_id_is_read_in_one_place(in_a_ray_job):
-    from app.config.paths import ray_job_id
+    from app.environment import ray_job_id
 
     assert ray_job_id() == "j1" and this_process()["ray_job"] == "j1"
 

@@ -12,8 +12,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from app.serve.models import Base, check_base, load
-from app.serve.pyfunc import AdapterModel, weights_digest
+from app.serve.models import load
+from app.tracking.adapters import Base, check_base
+from app.tracking.pyfunc import AdapterModel, weights_digest
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def registered(embedded, adapters, tmp_path, monkeypatch) -> str:
 
 
 def test_a_registered_version_loads_only_on_its_recorded_base(registered, embedded, adapters, altered_base):
-    from app.serve.models import adapter_folder, base_of
+    from app.tracking.adapters import adapter_folder, base_of
 
     recorded = base_of(adapter_folder(registered), registered)
     assert recorded.sha256 == weights_digest(embedded["model"])

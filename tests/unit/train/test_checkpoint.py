@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.config.schema import load_config
+from app.config.loading import load_config
 from app.model.build import build_lora_model
 from app.model.sharding import build_device_mesh, shard_model, trainable_parameters
 from app.train.checkpoint import TrainerState, load_training_state, save_training_state

@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from app.config.schema import ModelSection
+from app.config.sections import ModelSection
 from app.data.formatting import tokenize_rows
-from app.model.build import load_base_model, load_tokenizer
+from app.model.base import load_base_model, load_tokenizer
 from app.train.evaluation import BestEvaluation, cut_after_last_target
 from app.train.loss import summed_token_loss
 

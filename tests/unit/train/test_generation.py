@@ -1,13 +1,15 @@
-import logging
+import contextlib
+import io
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
-from app.config.schema import ModelSection
-from app.data.formatting import IGNORE_INDEX, tokenize_rows
-from app.model.build import load_base_model, load_tokenizer
+from app.config.sections import ModelSection
+from app.data.chat import IGNORE_INDEX
+from app.data.formatting import tokenize_rows
+from app.model.base import load_base_model, load_tokenizer
 from app.train.generation import generation_table, greedy_batch, prompts_and_references
 from app.train.task_metrics import score
 from tests.helpers import run_ranks
@@ -115,13 +117,12 @@ def _oracle_scores(rank: int, world: int, tokenizer_dir: str, template: str | No
     rows = tokenize_rows([{"messages": messages}], tokenizer, "chat", 96)
     model = Oracle([r[:n].tolist() for r, n in zip(rows["input_ids"], rows["length"])], len(tokenizer),
                    tokenizer(FILLER, add_special_tokens=False)["input_ids"][0], end_ids)
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("app.train.generation").addHandler(handler)
     batch = {k: torch.as_tensor(v) for k, v in rows.items()}
-    tables = [generation_table(model, [batch], tokenizer, 10, max_new_tokens, torch.device("cpu"))
-              for _ in range(2)]  # two evaluations
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        tables = [generation_table(model, [batch], tokenizer, 10, max_new_tokens, torch.device("cpu"))
+                  for _ in range(2)]  # two evaluations
+    warnings = [line.removeprefix("warning: ") for line in stderr.getvalue().splitlines()
+                if line.startswith("warning: ")]
     torch.save({"table": tables[0], "exact_match": score(tables[0]["generated"], tables[0]["reference"],
                                                          ["exact_match"]), "warnings": warnings},
                f"{out}/oracle-{rank}.pt")

@@ -1,6 +1,5 @@
 """The chunked cross-entropy gives the plain loss and the plain gradients, alone and under FSDP2."""
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -10,8 +9,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from app.config.schema import load_config
-from app.data.formatting import IGNORE_INDEX
+from app.config.loading import load_config
+from app.data.chat import IGNORE_INDEX
 from app.model.build import build_lora_model
 from app.model.sharding import build_device_mesh, shard_model
 from app.train.loss import ChunkedLinearCrossEntropy, chunkable_head, summed_token_loss
@@ -79,17 +78,17 @@ class _HeadWeightOnly(LlamaForCausalLM):
         return CausalLMOutputWithPast(logits=F.linear(hidden, self.lm_head.weight))
 
 
-def test_where_the_head_is_not_called_the_chunked_loss_falls_back_to_the_plain_loss_with_one_warning(caplog):
+def test_where_the_head_is_not_called_the_chunked_loss_falls_back_to_the_plain_loss_with_one_warning(capsys):
     torch.manual_seed(0)
     model = _HeadWeightOnly(LlamaConfig(**TINY)).float()
     plain_loss, plain_grads = _loss_and_grads(model, _batch(2), chunk_tokens=0)
-    with caplog.at_level(logging.WARNING, logger="app.train.loss"):
-        losses = [_loss_and_grads(model, _batch(2), chunk_tokens=7) for _ in range(2)]
+    capsys.readouterr()
+    losses = [_loss_and_grads(model, _batch(2), chunk_tokens=7) for _ in range(2)]
     assert [loss for loss, _ in losses] == [plain_loss, plain_loss]
     _assert_same_grads(losses[1][1], plain_grads)
-    assert [r.getMessage() for r in caplog.records] == [
-        "train.loss_chunk_tokens: _HeadWeightOnly does not hand its output head the final hidden states once per "
-        "forward; it takes the plain loss (full logits)"]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: train.loss_chunk_tokens: _HeadWeightOnly does not hand its output head the final hidden states "
+        "once per forward; it takes the plain loss (full logits)"]
     assert chunkable_head(model) is None  # the next micro-batch goes straight to the plain loss
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.data.formatting import tokenize_rows
-from app.model.build import load_tokenizer
+from app.model.base import load_tokenizer
 from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.runs.layout import RunDir
 from app.train.ranks import RankContext
@@ -80,7 +80,7 @@ def _rank_inputs(rank: int, world: int, embedded: dict, out: str, *overrides: st
     train_rows = tokenize_rows(read(cfg.data.train_path, 64), tokenizer, cfg.data.format, cfg.data.max_seq_len)
     eval_rows = tokenize_rows(read(cfg.data.eval_path, 16), tokenizer, cfg.data.format, cfg.data.max_seq_len)
     ctx = RankContext(rank, world, torch.device("cpu"))
-    train_pass = lambda epoch: _batches(train_rows, rank, world, cfg.train.micro_batch_size)  # noqa: E731
+    train_pass = lambda pass_index: _batches(train_rows, rank, world, cfg.train.micro_batch_size)  # noqa: E731
     eval_pass = lambda: _batches(eval_rows, 0, 1, cfg.train.micro_batch_size)  # noqa: E731
     return cfg, ctx, train_pass, eval_pass
 
@@ -143,7 +143,7 @@ def test_early_stopping_ends_a_run_whose_task_metric_stalls_and_exports_the_best
     the untrained eval loss, not the last step's."""
     from peft import PeftModel
 
-    from app.model.build import load_base_model
+    from app.model.base import load_base_model
     from app.train.loss import summed_token_loss, target_token_count
 
     run_ranks(_train_twice, 2, embedded, str(tmp_path), *EARLY_STOP)
@@ -218,7 +218,7 @@ def test_dpo_takes_the_same_steps_on_one_and_two_workers_resumes_exactly_and_pre
 def _sft_then_dpo(rank: int, world: int, embedded: dict, out: str) -> None:
     """An SFT run; a second SFT run and a DPO run that both start from its adapter (model.init_adapter), read
     slice by slice (model.load=sharded)."""
-    from app.model.init_adapter import read_adapter_weights
+    from app.model.adapter import read_adapter_weights
 
     fp32 = ["model.dtype=float32", "fsdp.param_dtype=float32", "train.eval_on_start=true"]
     results = {}

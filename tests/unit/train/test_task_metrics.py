@@ -1,7 +1,8 @@
 import pytest
 
+from app.config.sections import is_metric_spec, metric_name
 from app.errors import UserInputError
-from app.train.task_metrics import is_valid_spec, metric_name, resolve, score
+from app.train.task_metrics import resolve, score
 
 
 def test_builtin_metrics_score_each_row_and_average():
@@ -13,7 +14,7 @@ def test_builtin_metrics_score_each_row_and_average():
 
 def test_a_user_function_is_imported_and_named_after_itself():
     spec = "tests.unit.train.test_task_metrics:first_word_matches"
-    assert is_valid_spec(spec) and metric_name(spec) == "eval_first_word_matches"
+    assert is_metric_spec(spec) and metric_name(spec) == "eval_first_word_matches"
     assert score(["a b", "c d"], ["a x", "x d"], [spec]) == {"eval_first_word_matches": 0.5}
 
 
@@ -25,4 +26,4 @@ def test_a_metric_that_cannot_be_imported_is_a_one_line_error_naming_the_field()
     with pytest.raises(UserInputError, match=r"^eval.metrics: cannot import no_such_module:f .*") as e:
         resolve("no_such_module:f")
     assert "\n" not in str(e.value)
-    assert not is_valid_spec("exact match") and not is_valid_spec("module.function")
+    assert not is_metric_spec("exact match") and not is_metric_spec("module.function")

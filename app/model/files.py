@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from app.errors import UserInputError
 
 if TYPE_CHECKING:
-    from app.config.schema import ModelSection
+    from app.config.sections import ModelSection
 
 
-def check_model_source(model: ModelSection) -> None:
+def check_model_files(model: ModelSection) -> None:
     """Fail fast, in the driver, on a model path that cannot load."""
     path = Path(model.path)
     if path.is_absolute() or path.exists():

@@ -5,7 +5,7 @@ Record formats (detected per record):
   preference_chat          {"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}
   preference_conversation  {"chosen": [messages], "rejected": [messages]}: whole conversations; the prompt is
                            the messages they share from the start (UltraFeedback-style sets)
-Both sides are rendered with the tokenizer's chat template (or app/data/formatting.py's plain template for a
+Both sides are rendered with the tokenizer's chat template (or the plain prompt, app/data/chat.py, for a
 tokenizer without one); the prompt is tokenized once, so chosen and rejected share its tokens exactly, and
 only the answers' tokens are targets.
 """
@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from app.data.formatting import IGNORE_INDEX, PLAIN_PROMPT
+from app.data.chat import IGNORE_INDEX, check_messages, pad_id, plain_prompt
 
 PREFERENCE_FORMATS = ("preference", "preference_chat", "preference_conversation")
 
@@ -33,9 +33,9 @@ def detect_preference_format(record) -> str:
     if all(isinstance(record.get(f), str) for f in ("prompt", "chosen", "rejected")):
         return "preference"
     if isinstance(prompt, list):
-        _check_messages(prompt, "prompt")
+        check_messages(prompt, "prompt")
         for side in ("chosen", "rejected"):
-            _check_messages(record[side], side, only="assistant")
+            check_messages(record[side], side, only="assistant")
         return "preference_chat"
     if prompt is None:
         split_conversations(record["chosen"], record["rejected"])
@@ -43,22 +43,11 @@ def detect_preference_format(record) -> str:
     raise ValueError("'prompt', 'chosen' and 'rejected' must be all strings, or all lists of messages")
 
 
-def _check_messages(messages, field: str, only: str | None = None) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"'{field}' must be a non-empty list of messages")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"{field}[{i}] needs string fields 'role' and 'content'")
-        if only and m["role"] != only:
-            raise ValueError(f"{field}[{i}] has role {m['role']!r}; the answers of a preference pair are {only} "
-                             "messages")
-
-
 def split_conversations(chosen, rejected) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen answer, rejected answer) of two whole conversations: the prompt is the messages they
     share from the start; each answer must then be assistant messages."""
-    _check_messages(chosen, "chosen")
-    _check_messages(rejected, "rejected")
+    check_messages(chosen, "chosen")
+    check_messages(rejected, "rejected")
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
@@ -85,8 +74,7 @@ def pair_messages(record: dict, fmt: str) -> tuple[list[dict], list[dict], list[
 def _texts(tokenizer, prompt: list[dict], answer: list[dict]) -> tuple[str, str]:
     """The prompt as the model sees it before it answers, and the answer's text after it."""
     if not tokenizer.chat_template:
-        return (PLAIN_PROMPT.format(instruction="\n\n".join(m["content"] for m in prompt)),
-                "".join(m["content"] for m in answer))
+        return plain_prompt(prompt), "".join(m["content"] for m in answer)
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
     before, full = render(prompt, add_generation_prompt=True), render(prompt + answer)
     if not full.startswith(before):
@@ -126,9 +114,9 @@ def tokenize_pairs(records: list[dict], tokenizer, max_seq_len: int) -> dict[str
     truncation dropped from the pair) and `targets`: the fewer target tokens of the two sides (-1 for a
     record without the fields its format needs)."""
     n = len(records)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = {f"{side}_{column}": np.full((n, max_seq_len), fill, dtype=np.int64)
-            for side in ("chosen", "rejected") for column, fill in (("input_ids", pad_id), ("labels", IGNORE_INDEX))}
+            for side in ("chosen", "rejected")
+            for column, fill in (("input_ids", pad_id(tokenizer)), ("labels", IGNORE_INDEX))}
     rows |= {column: np.zeros(n, dtype=np.int64) for column in ("prompt_length", "length", "truncated", "targets")}
     for i, record in enumerate(records):
         try:

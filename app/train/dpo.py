@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from app.data.formatting import IGNORE_INDEX
-from app.model.init_adapter import REFERENCE
+from app.data.chat import IGNORE_INDEX
+from app.model.adapter import REFERENCE
 from app.train.loss import token_losses
 
 # TRL's metric names, so curves compare across tools; each is a mean over pairs.

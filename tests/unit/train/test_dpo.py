@@ -10,10 +10,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from app.config.schema import FsdpSection
-from app.data.formatting import IGNORE_INDEX
+from app.config.sections import FsdpSection
+from app.data.chat import IGNORE_INDEX
 from app.model.sharding import build_device_mesh, shard_model
-from app.train.preference import (
+from app.train.dpo import (
     METRICS,
     concatenated,
     dpo_losses,

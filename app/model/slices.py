@@ -1,105 +1,35 @@
-"""Memory-lean model building: no rank ever holds the whole base model.
+"""`model.load: sharded`: no rank ever holds the whole base model.
 
-The simple path (app.model.build_lora_model, then shard) loads every weight in every worker: N full
-copies in host memory per node. Here the model is built on the meta device, LoRA is applied and the
-model sharded while it has no storage, and only then does each rank allocate and fill its own
-shards: base weights read as slices of the safetensors files (memory-mapped, so a rank reads only
-its rows), LoRA weights initialised explicitly (meta LoRA weights would otherwise stay garbage).
-Peak host memory of a worker while loading scales with 1/N of the model.
+The model is built on the meta device, LoRA is applied and the model is split into its FSDP2 shards while it
+has no storage (app/model/build.py); only then does each rank allocate and fill its own shards: base weights
+read as slices of the safetensors files (memory-mapped, so a rank reads only its rows), LoRA weights
+initialised explicitly (meta LoRA weights would otherwise stay garbage). A worker's peak host memory while
+loading scales with 1/N of the model, where `model.load: full` loads N whole copies per node.
 
 Checkpoint keys are mapped to the model's parameters with transformers' own renaming rules (e.g.
 GPT-NeoX's `embed_out` is the model's `lm_head`); tied weights stay one parameter. What this loader
 cannot map (parameters that transformers builds from several checkpoint tensors, such as fused MoE
-experts) is found in the driver by `sharded_loading_problem`, and the job then loads the model whole.
+experts) is found in the driver by `slice_loading_problem`, and the job then loads the model whole.
 """
 
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from app.errors import UserInputError
-from app.model.build import apply_lora, build_lora_model, enable_activation_checkpointing
-from app.model.hardware import torch_dtype
-from app.model.init_adapter import REFERENCE, is_adapter_param, load_adapter_weights
-from app.model.lora_init import base_param_name, init_lora_weights
-from app.model.quantization import is_nf4, quantize_layer
-from app.model.sharding import local_region, shard_group_size, shard_model
+from app.model.adapter import REFERENCE, base_param_name, init_lora_weights, is_adapter_param
+from app.model.base import build_meta_base_model
+from app.model.quantization import is_nf4
+from app.model.sharding import local_region
 
 CheckpointIndex = dict[str, tuple[Path, str]]  # base parameter name -> (safetensors file, key in it)
 
 
-def build_sharded_lora_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device: torch.device,
-                             init_adapter: dict[str, torch.Tensor] | None = None, reference: bool = False) -> nn.Module:
-    """The FSDP2-sharded PEFT LoRA model, loaded the way `model.load` says; its adapter starts from the seed,
-    or from `init_adapter` (a saved adapter's weights: app.model.init_adapter). With `reference` (DPO from a
-    starting adapter), a frozen copy of `init_adapter` as a second adapter."""
-    if reference and init_adapter is None:
-        raise ValueError("a reference adapter is the starting adapter's copy: it needs init_adapter")
-    nf4, shards = model_cfg.quantization == "nf4", shard_group_size(mesh)
-    if model_cfg.load == "full":
-        model = build_lora_model(model_cfg, lora_cfg, seed, device, reference)
-        quantize = partial(quantize_layer, shards=shards, full_weight=lambda linear: linear.weight)
-        model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
-    else:
-        model = build_meta_lora_model(model_cfg, lora_cfg, seed, reference=reference)
-        index, _ = checkpoint_index(model.get_base_model(), weight_files(model_cfg))
-        with torch.no_grad(), SliceReader(index) as reader:
-            quantize = partial(quantize_layer, shards=shards, full_weight=checkpoint_weight(model, reader, device))
-            model = shard_model(model, mesh, fsdp_cfg, model_cfg.compile, quantize if nf4 else None)
-            materialize_sharded(model, reader, seed, device)
-    if init_adapter is not None:
-        for adapter_name in ("default", REFERENCE) if reference else ("default",):
-            load_adapter_weights(model, init_adapter, adapter_name)
-    return model
-
-
-def build_meta_base_model(model_cfg, config_file: str | None = None):
-    """The base model with every parameter on the meta device and tied weights tied; buffers (rotary
-    tables, which no checkpoint holds) are computed on the CPU as usual. Reads only the model's config and
-    generation config (or `config_file`, a config.json of any model shape)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if config_file:
-        fields = json.loads(Path(config_file).read_text())
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    else:
-        config = AutoConfig.from_pretrained(model_cfg.path, revision=model_cfg.revision,
-                                            trust_remote_code=model_cfg.trust_remote_code)
-    with init_empty_weights(include_buffers=False):
-        base = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(model_cfg.dtype),
-                                                trust_remote_code=model_cfg.trust_remote_code,
-                                                attn_implementation=model_cfg.attn_implementation)
-    base.tie_weights()  # init_empty_weights re-creates every parameter, which unties lm_head from the embedding
-    if not config_file:
-        base.generation_config = checkpoint_generation_config(model_cfg, base.generation_config)
-    return base
-
-
-def checkpoint_generation_config(model_cfg, default):
-    """The checkpoint's generation_config.json, as from_pretrained reads it (`default` where it has none): its
-    eos ids may name end-of-turn tokens that config.json lacks, which decoding stops on."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_cfg.path, revision=model_cfg.revision)
-    except OSError:
-        return default
-
-
-def build_meta_lora_model(model_cfg, lora_cfg, seed: int, config_file: str | None = None, reference: bool = False):
-    model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed, reference)
-    if model_cfg.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    return model
-
-
-def materialize_sharded(model: nn.Module, reader: SliceReader, seed: int, device: torch.device) -> None:
+def materialize_from_slices(model: nn.Module, reader: SliceReader, seed: int, device: torch.device) -> None:
     """After fully_shard: allocate each rank's shards on `device` and fill them."""
     allocate_local_shards(model, device)
     load_base_shards(model, reader)
@@ -216,7 +146,7 @@ def checkpoint_keys(model_cfg) -> dict[str, Path | str]:
     return dict(get_safetensors_metadata(model_cfg.path, revision=model_cfg.revision).weight_map)
 
 
-def sharded_loading_problem(model_cfg) -> str | None:
+def slice_loading_problem(model_cfg) -> str | None:
     """Why `model.load: sharded` cannot read this checkpoint slice by slice (None if it can): some of its
     parameters are built by transformers from several checkpoint tensors. Runs in the driver, on the
     config and the safetensors headers. A parameter that no checkpoint tensor gives at all is an error."""

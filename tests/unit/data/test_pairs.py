@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from app.data.formatting import IGNORE_INDEX
-from app.data.preference import detect_preference_format, tokenize_pair, tokenize_pairs, truncate_pair
+from app.data.chat import IGNORE_INDEX
+from app.data.pairs import detect_preference_format, tokenize_pair, tokenize_pairs, truncate_pair
 
 PAIR = {"prompt": "Write 5 in words.", "chosen": "five", "rejected": "six"}
 USER = [{"role": "user", "content": "Write 5 in words."}]
@@ -135,7 +135,7 @@ def test_a_stand_in_pair_trains_and_counts_nothing():
     import torch
 
     from app.data.stream import without_targets
-    from app.train.preference import real_pairs
+    from app.train.dpo import real_pairs
 
     columns = [f"{side}_{c}" for side in ("chosen", "rejected") for c in ("input_ids", "labels")]
     batch = {column: torch.arange(8).reshape(2, 4) for column in columns}

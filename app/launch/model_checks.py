@@ -1,0 +1,112 @@
+"""The checks that load the model stack (transformers, PEFT, torch on the meta device), run by the driver in a
+thread while Ray starts: the tokenizer and its chat template, the LoRA targets on a weightless copy, whether
+packed rows keep the model's records apart, NF4 shapes, task metrics, model.init_adapter. A local cluster the
+job started is stopped again if one fails; no worker starts before they pass."""
+
+from __future__ import annotations
+
+import contextlib
+
+from transformers import AutoConfig
+
+from app.config.schema import FinetuneConfig
+from app.config.sections import ModelSection
+from app.data.formatting import check_chat_template
+from app.errors import UserInputError, first_line, warn
+from app.launch.inputs import CheckedInputs, CheckedSources
+from app.model.adapter import read_adapter_weights
+from app.model.base import build_meta_base_model, check_lora_targets, load_tokenizer
+from app.model.init_adapter import check_init_adapter
+from app.model.packing_probe import packing_problem
+from app.model.quantization import quantization_problem
+from app.model.sharding import decoder_layers
+from app.model.slices import slice_loading_problem
+from app.tracking.adapters import Base, adapter_folder, base_of
+from app.tracking.mlflow_run import fluent_tracking_uri
+from app.train import task_metrics
+from app.train.progress import StartupClock
+
+
+def check_model(cfg: FinetuneConfig, sources: CheckedSources,
+                startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
+    """While Ray starts (mostly Ray's own processes; this is the model stack's imports and the checks that
+    load it); returns the config as the workers will read it, and every input."""
+    inputs = check_model_inputs(cfg, sources)
+    startup.reached("inputs_checked")
+    return with_loadable_model(cfg), inputs
+
+
+def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInputs:
+    """What loads the model stack: the tokenizer and its chat template, the LoRA targets, NF4 shapes, packing,
+    task metrics, model.init_adapter; with the sources, everything the workers are handed."""
+    try:
+        tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first_line(e)}") from None
+    check_chat_template(tokenizer, "data.chat_template" if cfg.data.chat_template else f"model.path={cfg.model.path}")
+    check_lora_targets(cfg.model, cfg.lora)
+    if cfg.model.quantization == "nf4":
+        check_nf4_shapes(cfg)
+    if cfg.data.packing:
+        check_packing(cfg.model)
+    for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
+        task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
+    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=read_init_adapter(cfg))
+
+
+def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
+    """model.init_adapter found (a folder, a run under train.output_dir, a registered version), checked against
+    the model this run builds, and its weights read: the driver ships them to the workers, which need not
+    reach where it came from."""
+    source = cfg.model.init_adapter
+    if source is None:
+        return None
+    registry = fluent_tracking_uri(cfg.mlflow.tracking_uri) if source.startswith("models:/") else None
+    try:
+        with registry or contextlib.nullcontext():
+            folder = adapter_folder(source, cfg.train.output_dir)
+            trained_on = base_of(folder, source)
+    except ValueError as e:  # neither a folder, a run nor a registered version: it says where it looked
+        raise UserInputError(f"model.init_adapter={source}: {first_line(e).removeprefix(f'adapter {source}: ')}") \
+            from None
+    except Exception as e:  # a registry that does not answer or lacks the version
+        raise UserInputError(f"model.init_adapter={source}: {first_line(e)}; give an adapter folder, a run name "
+                             f"under train.output_dir={cfg.train.output_dir}, or models:/NAME/VERSION") from None
+    check_init_adapter(source, folder, cfg.model, cfg.lora)
+    if not trained_on.same_as(Base(cfg.model.path, cfg.model.revision)):
+        warn(f"model.init_adapter={source} was trained on {trained_on}; this run's base is {cfg.model.path} (the "
+             "shapes agree)")
+    return read_adapter_weights(folder)
+
+
+def check_nf4_shapes(cfg: FinetuneConfig) -> None:
+    """model.quantization=nf4 splits each quantized weight's rows over the ranks of a shard group in whole
+    NF4 blocks: checked on a weightless copy of the model before any worker starts."""
+    base = build_meta_base_model(cfg.model)
+    groups = [cfg.shard_group_size] if cfg.scaling.mesh else cfg.scaling.worker_counts  # elastic: every size
+    for shards in groups:
+        if problem := quantization_problem(base, decoder_layers(base), shards):
+            raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh "
+                                 "shard size, or scaling.min_workers) that divides it, or model.quantization=none")
+
+
+def check_packing(model: ModelSection) -> None:
+    """Packed rows must train each record as if it were alone: a tiny random copy of the model's architecture
+    shows whether (and how) they do (app/model/packing_probe.py); where nothing keeps records apart, packing
+    is refused here, before any worker starts."""
+    config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    problem = packing_problem(config, model.attn_implementation, model.trust_remote_code)
+    if problem:
+        raise UserInputError(problem)
+
+
+def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:
+    """`model.load: sharded` reads each rank's slices of the checkpoint; where transformers must convert
+    tensors to build a parameter (fused experts, ...), load the model whole instead, and say so."""
+    if cfg.model.load != "sharded":
+        return cfg
+    problem = slice_loading_problem(cfg.model)
+    if problem is None:
+        return cfg
+    warn(f"model.load=sharded: {problem}; every worker loads the whole model instead (model.load=full)")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"load": "full"})})

@@ -1,0 +1,125 @@
+"""One rank of a run inside Ray Train: Ray's context in (its rank, device, checkpoints, the pass coordinator),
+the plain recipe (app/train/recipe.py) out."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import ray.train.torch
+
+from app.config.paths import export_tracking_credentials
+from app.config.schema import FinetuneConfig
+from app.data.coordinator import DataNotBuilt, batches_of
+from app.data.stream import column_batches
+from app.errors import first_line, warn
+from app.launch import faults
+from app.launch.job import WorkerLaunch
+from app.train.checkpoint import TrainerState
+from app.train.progress import StartupClock
+from app.train.ranks import RankContext
+from app.train.recipe import FinetuneRecipe, NoTracking
+
+# Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
+POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+NO_DEADLINE_RESTART_S = 120.0  # ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S
+
+
+class RayCheckpoints:
+    """Checkpoints through Ray Train: it uploads each rank's shard into one directory under
+    RunConfig.storage_path, keeps the last `train.keep_checkpoints`, and registers a checkpoint only
+    once every rank has reported it, so a crash mid-save leaves the previous one as the latest."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.is_last_rank = rank == world_size - 1
+        self.notice_seen_at: float | None = None
+
+    def restore(self, load) -> TrainerState | None:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load(Path(directory))
+
+    def save(self, write, metrics: dict[str, float]) -> None:
+        with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as directory:
+            write(Path(directory))
+            faults.maybe_die_mid_save(metrics["step"], self.is_last_rank)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def preemption_deadline(self) -> float | None:
+        """Ray Train's notice that a node of this group is draining for preemption (a node's SIGTERM, which
+        Ray turns into a drain with a 30 s deadline, or `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`);
+        a barrier over the ranks. A notice without a deadline gets the one Ray Train applies: it restarts
+        the group 120 s after it noticed (a poll interval before this rank could)."""
+        notice = ray.train.get_preemption_info()
+        if notice is None:
+            self.notice_seen_at = None
+            return None
+        if notice.deadline_ms:
+            return notice.deadline_ms / 1000
+        self.notice_seen_at = self.notice_seen_at or time.time()
+        return self.notice_seen_at + NO_DEADLINE_RESTART_S - float(os.environ.get(POLL_ENV, 5.0))
+
+
+def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
+    """This rank's part of the run: its device and group, its passes over the data and the eval rows, rank 0's
+    MLflow logger and system metrics, then the recipe. Data the driver could not build ends it quietly (the
+    driver reports the reason in one line)."""
+    cfg = launch.config
+    context = ray.train.get_context()
+    ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
+    eval_rows: list[dict] = []  # every rank holds the whole eval set (evaluation deals it out), read once
+
+    def train_pass(pass_index: int):
+        [rows] = ray.get(launch.passes.rank_rows.remote(pass_index, ctx.rank, ctx.world_size))
+        return batches_of(ray.get(rows), cfg.train.micro_batch_size)
+
+    def eval_pass():
+        if not eval_rows:
+            [rows] = ray.get(launch.passes.eval_rows.remote())
+            eval_rows.append(ray.get(rows))
+        return column_batches(eval_rows[0], cfg.train.micro_batch_size, ctx.device)
+
+    export_tracking_credentials()  # the config holds the URI without them
+    for variable, value in launch.mlflow_credentials.items():
+        os.environ.setdefault(variable, value)
+    if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
+        from app.tracking.logger import RunLogger  # start-up: rank 0 only
+
+        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir)
+    else:
+        tracker = NoTracking()
+    system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
+    try:
+        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
+                       cfg.run_dir, launch.job_start_time, launch.source_names,
+                       ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
+                       pace=faults.step_pacing()).train()
+    except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
+        return
+    finally:
+        if system is not None:
+            system.finish()
+        if ctx.is_main:
+            tracker.close()
+
+
+def start_system_metrics(cfg: FinetuneConfig, run_id: str):
+    """MLflow's own system-metrics sampler for rank 0's node (a thread; it stops by itself, with a warning,
+    if the tracking server stops answering)."""
+    if not cfg.mlflow.system_metrics_seconds:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # start-up: rank 0 only
+
+    try:
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.mlflow.system_metrics_seconds,
+                                       resume_logging=True, tracking_uri=cfg.mlflow.tracking_uri)
+    except Exception as e:  # a tracking server that is down costs the system figures, not the run
+        warn(f"MLflow system metrics are off for this attempt ({first_line(e, 200)})")
+        return None
+    monitor.start()
+    return monitor

@@ -1,0 +1,60 @@
+"""What the driver records in MLflow: the run opened (a new one, or the resumed one reopened) with the job's
+tags, the best evaluation's tags, the adapter as the run's MLflow Model, and the run's end."""
+
+from __future__ import annotations
+
+import getpass
+import os
+
+import ray
+
+from app.config.schema import FinetuneConfig
+from app.environment import in_ray_job, ray_job_id
+from app.errors import first_line, warn
+from app.launch.inputs import CheckedInputs
+from app.launch.summary import best_tags
+from app.tracking import mlflow_run
+from app.tracking.registry import log_adapter_model
+
+
+def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
+    return {
+        "mlflow.user": getpass.getuser(),  # the UI's "Created by" and "Source"
+        "mlflow.source.name": "jobs.finetune",
+        "mlflow.source.type": "JOB" if in_ray_job() else "LOCAL",
+        "base_model": cfg.model.path,
+        "base_model_revision": cfg.model.revision,
+        "mlflow.source.git.commit": os.environ.get("GIT_COMMIT") or mlflow_run.git_commit(),
+        "ray.job_submission_id": ray_job_id(),
+        "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
+        "data.train_path": ", ".join(cfg.data.train_paths),
+    }
+
+
+def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None) -> str:
+    """A new MLflow run (recorded in the run directory), or the resumed one reopened."""
+    if run_to_continue is not None:
+        mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg), cfg.model.revision)
+        return run_to_continue
+    run_id = mlflow_run.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+                                                      "data.eval_rows": inputs.eval_rows},
+                                  [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
+    cfg.run_dir.write_record(run_id)
+    return run_id
+
+
+def record_outcome(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str]:
+    """A finished run's best evaluation as tags, and its adapter as the run's MLflow Model (and a registered
+    version); returns the model's URIs. A failure warns: the adapter is on disk either way."""
+    mlflow_run.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, summary))
+    try:
+        return log_adapter_model(cfg, run_id, summary) or {}
+    except Exception as e:
+        warn(f"MLflow: the adapter was not logged as a model ({type(e).__name__}: {first_line(e, 200)}); it is at "
+             f"{cfg.run_dir.adapter}")
+        return {}
+
+
+def end_run(cfg: FinetuneConfig, run_id: str, status: str) -> bool:
+    """The run ended FINISHED, FAILED or KILLED; False when MLflow could not be told (the status is journaled)."""
+    return mlflow_run.finish_run(cfg.mlflow.tracking_uri, run_id, status, cfg.run_dir)

@@ -3,6 +3,7 @@ model path, cluster size), how a command line reports one, and how every module 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 import sys
@@ -10,7 +11,19 @@ from collections.abc import Callable
 
 
 class UserInputError(ValueError):
-    """A problem with what the user gave us. The message is one line: what is wrong, where, and the fix."""
+    """A problem with what the user gave us. The message is one line: what is wrong, where, and the fix. What
+    it quotes of the user's input stays on that line: line breaks and other control characters are escaped."""
+
+    def __init__(self, message: str):
+        super().__init__(on_one_line(message))
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # what str.splitlines() splits at, and the rest of C0/C1
+
+
+def on_one_line(text: str) -> str:
+    """The text with line breaks and other control characters escaped (`\\n`, `\\r`, `\\x00`)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def exit_code(command: Callable[[], int]) -> int:
@@ -21,6 +34,14 @@ def exit_code(command: Callable[[], int]) -> int:
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse as every command line here uses it: a wrong argument is one line and exit code 2, like a
+    UserInputError, not argparse's usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {on_one_line(message)} (see {self.prog} --help)\n")
 
 
 # what a URL in an error message may carry that must not reach a log: `user:password@`, and a query string

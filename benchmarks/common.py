@@ -95,3 +95,26 @@ def log_to_mlflow(result: dict, name: str, files: list[Path]) -> None:
         client.log_artifact(run.info.run_id, str(file))
     client.set_terminated(run.info.run_id)
     print(f"MLflow: {project.mlflow.tracking_uri}, experiment benchmarks, run {run.info.run_name}", file=sys.stderr)
+
+
+def report_side_by_side(result: dict, figure: str, out_file: Path) -> int:
+    """The job's `figure` over TRL's as `<figure without _per_worker>_job_over_trl`, the whole result written to
+    `out_file` and printed as one JSON line."""
+    result[f"{figure.removesuffix('_per_worker')}_job_over_trl"] = result["job"][figure] / result["trl"][figure]
+    out_file.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_job_steadily(config: str, overrides: list[str], warmup: int) -> tuple[dict, object, list[int], float]:
+    """`python -m jobs.finetune` of `config` with `overrides`, as a user runs it: (its summary, `curve(name)` ->
+    {step: value} from its MLflow run, its steady steps (the first `warmup` left out), their seconds in all)."""
+    from mlflow.tracking import MlflowClient
+
+    summary = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", config,
+                              *(a for o in overrides for a in ("--set", o))])
+    client = MlflowClient(summary["tracking_uri"])
+    curve = lambda name: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
+    tokens, speed = curve("step_tokens"), curve("tokens_per_second")
+    steady = sorted(tokens)[warmup:]
+    return summary, curve, steady, sum(tokens[s] / speed[s] for s in steady)

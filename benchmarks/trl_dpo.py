@@ -104,9 +104,7 @@ def prepare(args) -> tuple[str, str, str]:
 
 def run_job(args, model: str, train: str, evals: str) -> dict:
     """The job, with its steady pairs/s per worker over the same steps as TRL's (from its MLflow steps)."""
-    from mlflow.tracking import MlflowClient
-
-    from benchmarks.common import last_json_line
+    from benchmarks.common import run_job_steadily
 
     overrides = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
                  f"data.max_seq_len={args.seq_len}", f"train.max_steps={args.steps}",
@@ -117,13 +115,8 @@ def run_job(args, model: str, train: str, evals: str) -> dict:
                  "scaling.num_workers=2", f"dpo.beta={args.beta}", "dpo.loss_type=sigmoid", f"lora.r={args.lora_r}",
                  f"lora.alpha={2 * args.lora_r}", "lora.dropout=0.0", "lora.target_modules=all-linear",
                  f"train.run_name=trl-dpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
-    summary = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", "jobs/configs/embedded_dpo.yaml",
-                              *(a for o in overrides for a in ("--set", o))])
-    client = MlflowClient(summary["tracking_uri"])
-    curve = lambda name: {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
-    tokens, speed, pairs = curve("step_tokens"), curve("tokens_per_second"), curve("step_pairs")
-    steady = sorted(tokens)[args.warmup:]
-    seconds = sum(tokens[s] / speed[s] for s in steady)
+    summary, curve, steady, seconds = run_job_steadily("jobs/configs/embedded_dpo.yaml", overrides, args.warmup)
+    pairs = curve("step_pairs")
     return {"pairs_per_second_per_worker": sum(pairs[s] for s in steady) / seconds / 2,
             "step_seconds_steady": seconds / len(steady), "peak_memory_gb": summary["peak_memory_gb"],
             "time_to_first_step_seconds": summary.get("time_to_first_step_seconds"),
@@ -133,52 +126,36 @@ def run_job(args, model: str, train: str, evals: str) -> dict:
 
 def trl_worker(args) -> None:
     """Under torchrun: DPOTrainer, timed per step; the adapter gathered and saved by rank 0."""
-    import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from app.train.progress import peak_memory_gb
     from benchmarks.reward_accuracy import messages
-    from benchmarks.trl_sft import fsdp_on_cpu, lora_config, trainer_arguments, trl_worker_start
+    from benchmarks.trl_sft import (
+        fsdp_on_cpu,
+        lora_config,
+        saved_figures,
+        train_timed,
+        trainer_arguments,
+        trl_worker_start,
+    )
 
     rank, world, bf16, tokenizer, model, layer_class = trl_worker_start(args.model_path)
     records = [dict(zip(("prompt", "chosen", "rejected"), messages(json.loads(line))))
                for line in open(args.train) if line.strip()]
     accum = args.global_batch // (world * args.micro_batch)
-    config = DPOConfig(**trainer_arguments(args, layer_class, bf16), gradient_accumulation_steps=accum,
+    config = DPOConfig(**trainer_arguments(args, layer_class, bf16), max_length=args.seq_len,
+                       gradient_accumulation_steps=accum,
                        beta=args.beta, loss_type=["sigmoid"])
     trainer = fsdp_on_cpu(DPOTrainer)(model=model, args=config, train_dataset=Dataset.from_list(records),
                                       processing_class=tokenizer, peft_config=lora_config(args.lora_r))
-    step_ends = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append(time.perf_counter())
-
-    trainer.add_callback(Clock())
-    trainer.accelerator.wait_for_everyone()
-    train_start = time.perf_counter()
-    trainer.train()
-    sharded = type(trainer.model_wrapped).__name__.startswith("FSDP")
-    peft_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # collective: all ranks
-             for k, v in peft_model.state_dict().items() if "lora_" in k}
-    seconds = [b - a for a, b in zip([train_start, *step_ends], step_ends)][args.warmup:]
-    peak = torch.tensor(peak_memory_gb(torch.device("cpu")))
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    timed = train_timed(trainer, args.warmup)
     if rank == 0:
-        adapter = Path(args.out) / "adapter"
-        peft_model.save_pretrained(adapter, state_dict=state)
-        tokenizer.save_pretrained(adapter)
-        print(json.dumps({
-            "world_size": world, "fsdp2": sharded, "dtype": "bfloat16" if bf16 else "float32",
-            "pairs_per_second_per_worker": args.global_batch * len(seconds) / sum(seconds) / world,
-            "step_seconds_steady": sum(seconds) / len(seconds), "peak_memory_gb": peak.item(),
-            "time_to_first_step_seconds": step_ends[0] - T_START, "adapter": str(adapter),
-            "trl_last_rewards_accuracies": [h["rewards/accuracies"] for h in trainer.state.log_history
-                                            if "rewards/accuracies" in h][-1]}), flush=True)
+        figures = saved_figures(timed, tokenizer, args.out, args.global_batch, "pairs", world, bf16)
+        figures["time_to_first_step_seconds"] = figures.pop("first_step_end") - T_START
+        figures["trl_last_rewards_accuracies"] = [h["rewards/accuracies"] for h in trainer.state.log_history
+                                                  if "rewards/accuracies" in h][-1]
+        print(json.dumps(figures), flush=True)
     dist.destroy_process_group()
 
 
@@ -187,7 +164,7 @@ def main(argv=None) -> int:
     if args.trl_worker:
         trl_worker(args)
         return 0
-    from benchmarks.common import torchrun
+    from benchmarks.common import report_side_by_side, torchrun
     from benchmarks.reward_accuracy import reward_accuracy
 
     model, train, evals = prepare(args)
@@ -206,11 +183,7 @@ def main(argv=None) -> int:
         result[side]["held_out_reward_margin"] = held_out["reward_margin"]
         result[side]["held_out_pairs"] = held_out["pairs"]
     result["job"].pop("summary")
-    result["pairs_per_second_job_over_trl"] = (result["job"]["pairs_per_second_per_worker"]
-                                               / result["trl"]["pairs_per_second_per_worker"])
-    Path(args.out, "trl_dpo.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result), flush=True)
-    return 0
+    return report_side_by_side(result, "pairs_per_second_per_worker", Path(args.out, "trl_dpo.json"))
 
 
 if __name__ == "__main__":

@@ -110,11 +110,11 @@ def trl_worker_start(model_path: str):
 
 
 def trainer_arguments(args: argparse.Namespace, layer_class: str, bf16: bool) -> dict:
-    """The TrainingArguments both TRL benchmarks share: the job's optimisation (constant LR, no warm-up, clip
+    """The TrainingArguments the TRL benchmarks share: the job's optimisation (constant LR, no warm-up, clip
     1.0), no checkpointing or logging integrations, FSDP2 over each decoder layer."""
     return dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
                 learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                max_grad_norm=1.0, max_length=args.seq_len, activation_checkpointing=False, bf16=bf16, use_cpu=True,
+                max_grad_norm=1.0, activation_checkpointing=False, bf16=bf16, use_cpu=True,
                 fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
                                         "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
                 logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=0,
@@ -127,22 +127,77 @@ def lora_config(r: int):
     return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
+def train_timed(trainer, warmup: int) -> dict:
+    """`trainer.train()` with each optimizer step's end clocked: {"seconds" of the steps after `warmup`,
+    "first_step_end" (perf_counter), "peft_model", "lora_state" (every LoRA tensor whole: a collective),
+    "peak_memory_gb" (the max over ranks), "fsdp2"}. What the TRL DPO and GRPO benchmark workers share."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from app.train.progress import peak_memory_gb
+
+    step_ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    trainer.accelerator.wait_for_everyone()
+    train_start = time.perf_counter()
+    trainer.train()
+    peft_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # collective: all ranks
+             for k, v in peft_model.state_dict().items() if "lora_" in k}
+    peak = torch.tensor(peak_memory_gb(torch.device("cpu")))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"seconds": [b - a for a, b in zip([train_start, *step_ends], step_ends)][warmup:],
+            "first_step_end": step_ends[0], "peft_model": peft_model, "lora_state": state,
+            "peak_memory_gb": peak.item(), "fsdp2": type(trainer.model_wrapped).__name__.startswith("FSDP")}
+
+
+def saved_figures(timed: dict, tokenizer, out: str, items_per_step: int, unit: str, world: int, bf16: bool) -> dict:
+    """On rank 0, after `train_timed`: the adapter saved to <out>/adapter with the tokenizer, and the figures:
+    `<unit>_per_second_per_worker` over the steady steps, step seconds, peak memory, the first step's time."""
+    from pathlib import Path
+
+    adapter = Path(out) / "adapter"
+    timed["peft_model"].save_pretrained(adapter, state_dict=timed["lora_state"])
+    tokenizer.save_pretrained(adapter)
+    seconds = timed["seconds"]
+    return {"world_size": world, "fsdp2": timed["fsdp2"], "dtype": "bfloat16" if bf16 else "float32",
+            f"{unit}_per_second_per_worker": items_per_step * len(seconds) / sum(seconds) / world,
+            "step_seconds_steady": sum(seconds) / len(seconds), "peak_memory_gb": timed["peak_memory_gb"],
+            "first_step_end": timed["first_step_end"], "adapter": str(adapter)}
+
+
 def fsdp_on_cpu(trainer_class):
     """`trainer_class` with accelerate's FSDP path on CPUs too. accelerate resolves a CPU process group to
     MULTI_CPU and then wraps the model in DDP, ignoring `fsdp_config`; on a GPU it takes the FSDP path by
     itself. This sets the state that path expects (the type and the plugin transformers built from
-    `fsdp_config`), so `fully_shard` is applied by accelerate's own `fsdp2_prepare_model`."""
+    `fsdp_config`), so `fully_shard` is applied by accelerate's own `fsdp2_prepare_model`; again when training
+    starts, since a later `AcceleratorState()` (GRPOTrainer's `set_seed`) resets the type."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     class OnCpu(trainer_class):
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
+            self.use_fsdp_path()
+
+        def train(self, *args, **kwargs):
+            self.use_fsdp_path()
+            return super().train(*args, **kwargs)
+
+        def use_fsdp_path(self):
             state = self.accelerator.state
             if state.distributed_type == DistributedType.MULTI_CPU:
-                plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                plugin = getattr(self, "fsdp_plugin_on_cpu", None) or FullyShardedDataParallelPlugin(
+                    **self.args.fsdp_plugin_args)
                 if state.mixed_precision != "no":
                     plugin.set_mixed_precision(state.mixed_precision)
                 state.distributed_type, state.fsdp_plugin, self.is_fsdp_enabled = DistributedType.FSDP, plugin, True
+                self.fsdp_plugin_on_cpu = plugin
 
     return OnCpu
 
@@ -155,7 +210,8 @@ def main(argv=None) -> None:
     from app.train.progress import peak_memory_gb
 
     rank, world, bf16, tokenizer, model, layer_class = trl_worker_start(args.model_path)
-    config = SFTConfig(**trainer_arguments(args, layer_class, bf16), gradient_accumulation_steps=1, packing=True)
+    config = SFTConfig(**trainer_arguments(args, layer_class, bf16), max_length=args.seq_len,
+                       gradient_accumulation_steps=1, packing=True)
     trainer = fsdp_on_cpu(SFTTrainer)(model=model, args=config, train_dataset=prompt_completion(args.train),
                                       processing_class=tokenizer, peft_config=lora_config(args.lora_r))
     clock = StepClock(trainer.data_collator)

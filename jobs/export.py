@@ -25,12 +25,12 @@ from pathlib import Path
 
 from app.config.loading import load_config
 from app.config.paths import why_unwritable
-from app.errors import UserInputError, exit_code, first_line
+from app.errors import CommandParser, UserInputError, exit_code, first_line
 from app.runs.layout import ADAPTER_COMPLETE, ADAPTER_RUN_CONFIG
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.export", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m jobs.export", description=__doc__.split("\n")[0])
     parser.add_argument("--run", required=True, metavar="RUN_NAME", help="the run to export (train.run_name)")
     parser.add_argument("--out", required=True, type=Path, help="a new directory")
     parser.add_argument("--merge", action="store_true", help="write the base with the adapter merged in")

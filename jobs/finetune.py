@@ -18,12 +18,12 @@ from pathlib import Path
 
 from app.config.loading import load_config
 from app.config.paths import why_unwritable
-from app.errors import UserInputError, exit_code
+from app.errors import CommandParser, UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.finetune", description=__doc__.split("\n")[1])
+    parser = CommandParser(prog="python -m jobs.finetune", description=__doc__.split("\n")[1])
     parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/embedded.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set train.max_steps=50 (repeatable)")

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 from app.config.loading import load_config
-from app.errors import UserInputError, exit_code, first_line
+from app.errors import CommandParser, UserInputError, exit_code, first_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.plan", description=__doc__.split("\n")[1])
+    parser = CommandParser(prog="python -m jobs.plan", description=__doc__.split("\n")[1])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--model-config", help="a config.json to plan for instead of model.path's")

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from app.config.paths import export_credentials
-from app.errors import UserInputError, first_line
+from app.errors import CommandParser, UserInputError, first_line
 from app.runs.layout import OutputDir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m jobs.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--adapter", action="append", required=True, metavar="NAME=SOURCE",
                         help="an adapter to serve under NAME (repeatable)")
     parser.add_argument("--base", help="the base model (default: the one the adapters were trained on, which "
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="when a request gives no max_tokens")
     parser.add_argument("--name", default="finetune-chat", help="the Serve application's name")
     parser.add_argument("--api-key-file", help="a file holding the API key (default: $SERVE_API_KEY)")
+    parser.add_argument("--replicas", type=int, default=1, help="copies of the deployment, each holding the base "
+                        "and every adapter (Serve routes each request to one)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="requests per generate call")
     parser.add_argument("--max-ongoing-requests", type=int, default=32, help="requests a replica takes at once")
     parser.add_argument("--max-queued-requests", type=int, default=64, help="requests queued beyond those (503)")
@@ -136,9 +139,9 @@ def loopback(host: str) -> bool:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    for flag in ("port", "max_new_tokens", "max_batch_size", "max_ongoing_requests", "max_body_bytes",
+    for flag in ("port", "replicas", "max_new_tokens", "max_batch_size", "max_ongoing_requests", "max_body_bytes",
                  "request_timeout_s"):
-        if getattr(args, flag) <= 0:
+        if not 0 < getattr(args, flag) < math.inf:  # `nan` and `inf` parse as floats
             raise UserInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if not 0 <= args.metrics_port < 65536:
         raise UserInputError(f"--metrics-port {args.metrics_port}: a port number (0: a free one)")
@@ -149,18 +152,48 @@ def check_numbers(args: argparse.Namespace) -> None:
                              f"{args.max_batch_size}, so no batch could fill")
 
 
+def running_proxy() -> tuple[str, int] | None:
+    """(host, port) of the HTTP proxy Serve runs on this cluster already; None when Serve does not run."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else (client.http_config.host, client.http_config.port)
+
+
+def check_running_proxy(running: tuple[str, int] | None, args: argparse.Namespace, key: str | None) -> None:
+    """Serve keeps the address its proxy started with (serve.start ignores new http options): a deploy that
+    asks for another address would be served at the old one (printed as the new), and a keyless one on a
+    proxy bound beyond loopback would answer anyone. Both refused in one line."""
+    if running is None:
+        return
+    host, port = running
+    if key is None and not loopback(host):
+        raise UserInputError(f"Serve already runs on this cluster at {host}:{port}, beyond loopback: a deploy without "
+                             "an API key would answer anyone there; set SERVE_API_KEY or --api-key-file")
+    if (host, port) != (args.host, args.port):
+        raise UserInputError(f"--host {args.host} --port {args.port}: Serve already runs on this cluster at "
+                             f"{host}:{port} and keeps that address; deploy with --host {host} --port {port}, or "
+                             "stop it first (`serve shutdown`)")
+
+
+def checked_arguments(args: argparse.Namespace) -> tuple[dict[str, str], str | None]:
+    """The adapters by name and the API key, every argument checked before Ray starts."""
+    adapters = adapters_by_name(args.adapter)
+    if args.base_name in adapters:
+        raise UserInputError(f"--adapter {args.base_name}=...: that name answers without an adapter "
+                             "(--base-name); choose another")
+    check_numbers(args)
+    key = api_key(args)
+    if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
+        os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
+    check_sources(adapters, args.output_dir)
+    return adapters, key
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        adapters = adapters_by_name(args.adapter)
-        if args.base_name in adapters:
-            raise UserInputError(f"--adapter {args.base_name}=...: that name answers without an adapter "
-                                 "(--base-name); choose another")
-        check_numbers(args)
-        key = api_key(args)
-        if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
-            os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
-        check_sources(adapters, args.output_dir)
+        adapters, key = checked_arguments(args)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -178,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         metrics = args.metrics_port or free_local_port()
         ray.init(address="local", include_dashboard=False, _metrics_export_port=metrics)
+    try:
+        check_running_proxy(running_proxy(), args, key)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout_s})
-    deployment = ChatCompletions.options(max_ongoing_requests=args.max_ongoing_requests,
+    deployment = ChatCompletions.options(num_replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                                          max_queued_requests=args.max_queued_requests)
     output_dir = args.output_dir if "://" in args.output_dir else os.path.abspath(args.output_dir)
     app = deployment.bind(adapters, args.base, args.base_name, output_dir, args.max_new_tokens,

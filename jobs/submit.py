@@ -29,7 +29,7 @@ import yaml
 
 from app.config.loading import load_config
 from app.config.paths import export_credentials
-from app.errors import UserInputError, exit_code, first_line
+from app.errors import CommandParser, UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -235,7 +235,7 @@ def _sweep_tracking_uri(overrides: list[str], env: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jobs.submit", description=__doc__.split("\n")[1])
+    parser = CommandParser(prog="python -m jobs.submit", description=__doc__.split("\n")[1])
     parser.add_argument("--address", help="Ray dashboard / Jobs API URL, e.g. http://127.0.0.1:8265")
     commands = parser.add_subparsers(dest="command", required=True)
 

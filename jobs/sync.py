@@ -15,17 +15,21 @@ import sys
 
 from app.config.loading import load_config
 from app.config.paths import export_tracking_credentials
-from app.errors import exit_code
+from app.errors import CommandParser, exit_code
 from app.tracking.journal import Journal
 from app.tracking.logger import bound_http_calls
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.sync", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = CommandParser(prog="python -m jobs.sync", description=__doc__.split("\n")[0])
     parser.add_argument("run_name")
     parser.add_argument("--config", default="jobs/configs/embedded.yaml", help="the config the run was started with")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return exit_code(lambda: sync(args.run_name, args.config, args.overrides))
 
 

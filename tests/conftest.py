@@ -68,7 +68,8 @@ LONGEST_FIRST = ["tests.integration.test_jobs", "reference_run", "tests.integrat
                  "tests.unit.train.test_recipe",
                  "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
                  "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",
-                 "tests.integration.test_preference", "tests.integration.test_tracking"]
+                 "tests.integration.test_preference", "tests.integration.test_grpo",
+                 "tests.unit.train.test_grpo_recipe", "tests.integration.test_tracking"]
 # Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
 FILLERS = {"tests.unit.model.test_packing_probe"}
 

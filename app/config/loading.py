@@ -106,7 +106,7 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     """Paths made absolute where they will be read (app/config/paths.py), defaults filled in, credentials left out."""
     out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
-    pairs = cfg.train.objective == "dpo"  # preference records, one pair per row
+    record_format = {"dpo": "preference", "grpo": "prompt"}.get(cfg.train.objective)  # one pair or prompt a row
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path),
                                               "init_adapter": paths.adapter_source(cfg.model.init_adapter)}),
@@ -115,12 +115,22 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
                            else [paths.input_path(p) for p in cfg.data.train_path]),
             "eval_path": paths.input_path(cfg.data.eval_path),
             "chat_template": _template_text(cfg.data.chat_template),
-            "format": "preference" if pairs else cfg.data.format,
-            "packing": cfg.data.packing and not pairs}),
-        "train": cfg.train.model_copy(update={"output_dir": out_dir,
-                                              "run_name": cfg.train.run_name or default_run_name}),
+            "format": record_format or cfg.data.format,
+            "packing": cfg.data.packing and not record_format}),
+        "train": cfg.train.model_copy(update={"output_dir": out_dir, "run_name": cfg.train.run_name or default_run_name,
+                                              "best_metric": _best_metric(cfg)}),
+        "grpo": cfg.grpo.model_copy(update={"reward_funcs": [paths.function_source(spec)
+                                                              for spec in cfg.grpo.reward_funcs]}),
         "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),
     })
+
+
+def _best_metric(cfg: FinetuneConfig) -> str:
+    """train.best_metric as given, or the objective's headline figure: a grpo run has no eval loss, so its
+    default is eval_reward."""
+    if cfg.train.objective == "grpo" and "best_metric" not in cfg.train.model_fields_set:
+        return "eval_reward"
+    return cfg.train.best_metric
 
 
 def resolve_tracking_uri(configured: str | None, output: OutputDir) -> str:

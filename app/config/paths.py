@@ -42,6 +42,19 @@ def adapter_source(source: str | None) -> str | None:
     return str(folder.resolve()) if folder and (folder / "adapter_config.json").is_file() else source
 
 
+def function_source(spec: str) -> str:
+    """A user function `file.py:name` with its file made absolute where it will be read: locally from here; in
+    a job, a file the uploaded working directory holds stays relative (every worker reads its own copy of that
+    directory). `package.module:name` stays as it is."""
+    where, _, name = spec.rpartition(":")
+    if not where.endswith(".py"):
+        return spec
+    path = Path(where).expanduser()
+    if path.is_absolute() or (in_ray_job() and path.exists()):
+        return spec
+    return f"{path.resolve()}:{name}"
+
+
 def output_dir(path: str) -> str:
     """train.output_dir as an absolute path or URI; in a job, never inside the job's working directory."""
     if "://" in path or Path(path).expanduser().is_absolute():

@@ -8,6 +8,7 @@ it into the job's one-line error).
 
 from __future__ import annotations
 
+from app.config.grpo import GrpoSection, reward_name
 from app.config.sections import (
     RUN_NAME,
     DataSection,
@@ -65,16 +66,21 @@ def no_float16_compute(fsdp: FsdpSection) -> str | None:
     return None
 
 
-def reported_figures(train: TrainSection, eval: EvalSection) -> set[str]:
+def reported_figures(train: TrainSection, eval: EvalSection, grpo: GrpoSection) -> set[str]:
     """The evaluation figures this config's runs report, that train.best_metric may rank by."""
+    if train.objective == "grpo":  # greedy answers to every eval prompt, scored by the rewards and eval.metrics
+        rewards = {"eval_reward"} | {f"eval_rewards/{reward_name(spec)}/mean" for spec in grpo.reward_funcs}
+        return rewards | {metric_name(spec) for spec in eval.metrics}
     by_objective = {"sft": {"eval_loss", "eval_perplexity"},
                     "dpo": {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"}}
     tasks = {metric_name(spec) for spec in eval.metrics} if eval.generation_rows else set()
     return by_objective[train.objective] | tasks
 
 
-def best_metric_is_reported(train: TrainSection, eval: EvalSection) -> str | None:
-    ranked = reported_figures(train, eval)
+def best_metric_is_reported(train: TrainSection, eval: EvalSection, grpo: GrpoSection) -> str | None:
+    if train.objective == "grpo" and "best_metric" not in train.model_fields_set:
+        return None  # its default there: eval_reward (app/config/loading.py)
+    ranked = reported_figures(train, eval, grpo)
     if train.best_metric not in ranked:
         return (f"train.best_metric={train.best_metric} is not an evaluation figure of this config: use one of "
                 f"{', '.join(sorted(ranked))} (task metrics need eval.generation_rows > 0)")
@@ -90,19 +96,58 @@ def a_weight_per_source(data: DataSection) -> str | None:
 
 
 def data_feeds_the_objective(train: TrainSection, data: DataSection) -> str | None:
-    """Preference pairs for dpo and nothing else; what dpo never does (pack, split) is not asked of it."""
-    pairs = train.objective == "dpo"
-    if pairs and data.format not in ("auto", "preference"):
-        return (f"data.format={data.format} holds no preference pairs; train.objective=dpo reads "
-                "data.format=preference (or auto): records with prompt, chosen and rejected")
-    if not pairs and data.format == "preference":
-        return "data.format=preference holds pairs to prefer one answer of: set train.objective=dpo"
-    if pairs and data.packing and "packing" in data.model_fields_set:
-        return ("data.packing=true: preference pairs are not packed (chosen and rejected go through one forward "
-                "side by side); remove the key or set it false for train.objective=dpo")
-    if pairs and data.long_records == "split" and "long_records" in data.model_fields_set:
-        return ("data.long_records=split: a preference pair is truncated to data.max_seq_len (the prompt's end, "
-                "the answers' starts), never split; remove the key for train.objective=dpo")
+    """Preference pairs for dpo, prompts for grpo, and neither for sft; what pairs and prompts never do (pack,
+    split) is not asked of them."""
+    wanted = {"dpo": "preference", "grpo": "prompt"}.get(train.objective)
+    records = {"preference": ("preference pairs", "records with prompt, chosen and rejected", "pairs to prefer one "
+                              "answer of", "dpo", "a preference pair is truncated to data.max_seq_len (the prompt's "
+                              "end, the answers' starts)"),
+               "prompt": ("prompts", "records with a prompt and the fields the rewards read", "prompts to sample "
+                          "answers to", "grpo", "a prompt is truncated to data.max_seq_len (its end kept)")}
+    if wanted and data.format not in ("auto", wanted):
+        return (f"data.format={data.format} holds no {records[wanted][0]}; train.objective={train.objective} reads "
+                f"data.format={wanted} (or auto): {records[wanted][1]}")
+    if wanted is None and data.format in records:
+        _, _, holds, objective, _ = records[data.format]
+        return f"data.format={data.format} holds {holds}: set train.objective={objective}"
+    if wanted and data.packing and "packing" in data.model_fields_set:
+        return (f"data.packing=true: {records[wanted][0]} are not packed; remove the key or set it false for "
+                f"train.objective={train.objective}")
+    if wanted and data.long_records == "split" and "long_records" in data.model_fields_set:
+        return (f"data.long_records=split: {records[wanted][4]}, never split; remove the key for "
+                f"train.objective={train.objective}")
+    return None
+
+
+def elastic_groups_can_be_placed(scaling: ScalingSection) -> str | None:
+    """Ray Train's elastic policy sizes a shrunk group by the cluster's free CPUs, not by what a STRICT_*
+    placement can place: two workers on one node's free CPUs under STRICT_SPREAD never start, and Ray Train
+    retries them forever."""
+    if scaling.elastic and scaling.placement_strategy.startswith("STRICT_"):
+        return (f"scaling.placement_strategy={scaling.placement_strategy} with scaling.min_workers="
+                f"{scaling.min_workers}: after a node is lost Ray Train picks a group size by free CPUs that "
+                f"{scaling.placement_strategy} may not be able to place, and waits for it forever; use PACK or "
+                "SPREAD for an elastic run, or a fixed group (no scaling.min_workers)")
+    return None
+
+
+def grpo_has_rewards(train: TrainSection, grpo: GrpoSection) -> str | None:
+    if train.objective == "grpo" and not grpo.reward_funcs:
+        return ("train.objective=grpo needs grpo.reward_funcs: the functions that score each answer, e.g. "
+                "[\"rewards.py:exact_answer\"]")
+    return None
+
+
+def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, grpo: GrpoSection) -> str | None:
+    """train.global_batch_size counts completions: every worker holds whole groups of num_generations."""
+    if train.objective != "grpo":
+        return None
+    for workers in scaling.worker_counts:
+        per_worker = grpo.num_generations * workers
+        if train.global_batch_size % per_worker:
+            return (f"train.global_batch_size={train.global_batch_size} counts completions: it must split into whole "
+                    f"groups of grpo.num_generations={grpo.num_generations} on each of {workers} workers, a multiple "
+                    f"of {per_worker}; change one of them")
     return None
 
 
@@ -127,4 +172,5 @@ def mesh_covers_the_workers(scaling: ScalingSection) -> str | None:
 
 RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, offload_needs_a_gpu,
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
-         data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers)
+         data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
+         elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups)

@@ -12,6 +12,7 @@ import yaml
 from pydantic import model_validator
 
 from app.config.dpo import DpoSection
+from app.config.grpo import GrpoSection
 from app.config.rules import RULES
 from app.config.sections import (
     DataSection,
@@ -37,6 +38,7 @@ class FinetuneConfig(Section):
     scaling: ScalingSection = ScalingSection()
     mlflow: MlflowSection = MlflowSection()
     dpo: DpoSection = DpoSection()
+    grpo: GrpoSection = GrpoSection()
 
     @model_validator(mode="after")
     def _rules_hold(self) -> FinetuneConfig:
@@ -55,6 +57,13 @@ class FinetuneConfig(Section):
     @property
     def grad_accum_steps(self) -> int:
         return self.grad_accum_steps_on(self.scaling.num_workers)
+
+    def rows_per_batch(self, workers: int) -> int:
+        """Rows of the training data a rank takes at a time: a micro-batch's, or with train.objective=grpo the
+        prompts of one batch of rollouts (a step's completions on the rank / grpo.num_generations)."""
+        if self.train.objective == "grpo":
+            return self.train.global_batch_size // (workers * self.grpo.num_generations)
+        return self.train.micro_batch_size
 
     def grad_accum_steps_on(self, workers: int) -> int:
         """Micro-batches per optimizer step on `workers` workers: the global batch is the same on any count."""

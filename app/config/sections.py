@@ -105,9 +105,11 @@ class DataSection(Section):
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of the train set held out when "
                                  "there is no data.eval_path")
     max_eval_rows: int = Field(512, gt=0, description="cap on the eval rows scored at each evaluation")
-    format: Literal["auto", "chat", "sharegpt", "instruction", "prompt_completion", "text", "preference"] = Field(
-        "auto", description="record format (see the README); auto detects it per record; preference: pairs for "
-        "train.objective=dpo (what auto means there)")
+    format: Literal["auto", "chat", "sharegpt", "instruction", "prompt_completion", "text", "preference",
+                    "prompt"] = Field(
+        "auto", description="record format (docs/data.md); auto detects it per record; preference: pairs for "
+        "train.objective=dpo, prompt: prompts alone (with any other fields the rewards read) for "
+        "train.objective=grpo (what auto means there)")
     chat_template: str | None = Field(None, description="a Jinja chat template, or a file holding one, used instead "
                                       "of the tokenizer's own (for base models that have none)")
     split: str = Field("train", description="split to read from a datasets DatasetDict or hub dataset")
@@ -136,10 +138,12 @@ class DataSection(Section):
 class TrainSection(Section):
     """The optimisation, its schedule, and what the run records and keeps."""
 
-    objective: Literal["sft", "dpo"] = Field("sft", description="sft: next-token loss on the target tokens; "
-                                             "dpo: preference pairs (the dpo section)")
+    objective: Literal["sft", "dpo", "grpo"] = Field("sft", description="sft: next-token loss on the target tokens; "
+                                             "dpo: preference pairs (the dpo section); grpo: online RL on "
+                                             "prompts with reward functions (the grpo section)")
     max_steps: int = Field(100, gt=0, description="optimizer steps; every rank runs exactly this many")
-    global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers")
+    global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers (with "
+                                   "train.objective=grpo: completions, grpo.num_generations per prompt)")
     micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass on one worker; gradient "
                                   "accumulation fills the rest of the global batch")
     learning_rate: float = Field(2e-4, gt=0.0, description="peak AdamW learning rate")
@@ -168,7 +172,8 @@ class TrainSection(Section):
                                  "the config file's name and the start time")
     best_metric: str = Field("eval_loss", description="the evaluation figure that ranks checkpoints: eval_loss, "
                              "eval_perplexity (lower is better), a task metric eval_<name>, or with "
-                             "train.objective=dpo eval_rewards/accuracies or eval_rewards/margins (higher is better)")
+                             "train.objective=dpo eval_rewards/accuracies or eval_rewards/margins, with grpo "
+                             "eval_reward (the default there) or eval_rewards/<function>/mean (higher is better)")
     early_stopping_patience: int | None = Field(None, gt=0, description="stop after this many evaluations in a "
                                                 "row without a better train.best_metric; None: train max_steps")
     export: Literal["last", "best"] = Field("last", description="which weights become the run's adapter: the "
@@ -188,6 +193,8 @@ class EvalSection(Section):
                                "as eval_<name>: exact_match, contains (up to whitespace), or a function "
                                "`module:function` (prediction, reference -> float), logged as eval_<function>")
     max_new_tokens: int = Field(32, gt=0, description="tokens generated per eval prompt at most")
+    reference_column: str = Field("answer", description="with train.objective=grpo: the eval record's field that "
+                                  "eval.metrics score the greedy answer against (none: no task metrics)")
 
     @field_validator("metrics")
     @classmethod

@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from app.data.chat import IGNORE_INDEX, check_messages, pad_id, plain_prompt
 
@@ -141,7 +142,7 @@ def tokenize_conversations(records: list[dict], tokenizer, fmt: str, max_seq_len
         try:
             ids, labs = tokenize_record(tokenizer, record, detect_conversation_format(record, fmt),
                                         None if long_records == "split" else max_seq_len)
-        except ValueError:
+        except (ValueError, TemplateError):  # the chat template refuses a record's roles or order
             pieces.append(None)
             continue
         pieces += [(ids[i:i + max_seq_len], labs[i:i + max_seq_len]) for i in range(0, max(len(ids), 1), max_seq_len)]

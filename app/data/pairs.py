@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from jinja2 import TemplateError
 
 from app.data.chat import IGNORE_INDEX, check_messages, pad_id, plain_prompt
 
@@ -122,7 +123,7 @@ def tokenize_pairs(records: list[dict], tokenizer, max_seq_len: int) -> dict[str
         try:
             prompt, *answers, dropped = truncate_pair(*tokenize_pair(tokenizer, record,
                                                                      detect_preference_format(record)), max_seq_len)
-        except ValueError:
+        except (ValueError, TemplateError):  # the chat template refuses a record's roles or order
             rows["targets"][i] = -1
             continue
         rows["prompt_length"][i], rows["truncated"][i] = len(prompt), dropped

@@ -11,6 +11,7 @@ The same seed, pass and worker count give the same rows to each rank, so a resum
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def source_names(paths: list[str]) -> tuple[str, ...]:
     """Short, distinct names for the sources: the file or directory name, numbered where they repeat."""
     stems = [Path(p.rstrip("/")).stem or p for p in paths]
     return tuple(s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems))
+
+
+def source_key(name: str) -> str:
+    """A source's name as a metric key (data_share/<key>): MLflow takes letters, digits and _ - . space in a
+    metric name's segment; anything else (a Hive partition's '=', '+', '(', ',', '@') becomes '_'. The names as
+    the user wrote them are the run's tag data.source_keys."""
+    return re.sub(r"[^\w.\- ]", "_", name).strip(". ") or "source"
 
 
 def pass_records(plan: PassPlan, pass_index: int, shuffle: bool) -> np.ndarray:

@@ -21,6 +21,7 @@ import ray.data
 from ray.data.expressions import col
 
 from app.config.sections import DataSection, ModelSection
+from app.data.chat import pad_id
 from app.data.formatting import tokenize_rows
 from app.data.passes import PassPlan, source_names
 from app.data.sources import DataSource, load_hf_disk, read_json_array
@@ -73,7 +74,7 @@ class TrainData:
     dropped_rows: int  # rows whose every target token truncation cut off
     pad_id: int  # the tokenizer's padding token
     malformed_rows: int = 0  # records without the fields their format needs (remote data past the checked sample)
-    truncated_tokens: int = 0  # preference pairs: prompt and answer tokens cut to fit data.max_seq_len
+    truncated_tokens: int = 0  # preference pairs and prompts: tokens cut to fit data.max_seq_len
 
 
 def tokenized_in_driver(ds: ray.data.Dataset, tokenizer, data: DataSection, source: int) -> ray.data.Dataset:
@@ -126,10 +127,10 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
             rows = tokenized_in_driver(records, tokenizer, data, i).materialize()
         else:
             rows = tokenized(records, model, data, i).materialize()
-        pair_columns = [c for c in ("truncated", "prompt_length") if c in rows.columns()]  # preference pairs
-        if pair_columns:
-            truncated += rows.sum("truncated") or 0  # the dropped pairs' cuts too
-        trainable = rows.filter(expr=col("targets") > 0).drop_columns(["targets", *pair_columns]).materialize()
+        if "truncated" in rows.columns():  # preference pairs and prompts: tokens cut to fit data.max_seq_len
+            truncated += rows.sum("truncated") or 0  # the dropped rows' cuts too
+        bookkeeping = [c for c in ("targets", "truncated") if c in rows.columns()]
+        trainable = rows.filter(expr=col("targets") > 0).drop_columns(bookkeeping).materialize()
         bad = rows.filter(expr=col("targets") < 0).count()
         malformed += bad
         dropped += rows.count() - trainable.count() - bad
@@ -143,8 +144,7 @@ def build_train_data(sources: list[DataSource], records_hint: list[int], tokeniz
     if sum(plan.rows_per_pass()) < world_size:
         raise UserInputError(f"data.train_path: {sum(plan.rows_per_pass())} training records for "
                              f"scaling.num_workers={world_size}; every worker needs at least one")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TrainData(token_rows, plan, dropped, pad_id, malformed, int(truncated)), held_out
+    return TrainData(token_rows, plan, dropped, pad_id(tokenizer), malformed, int(truncated)), held_out
 
 
 def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSection) -> tuple[dict[str, np.ndarray], int]:
@@ -159,5 +159,5 @@ def build_eval_rows(sources: list[ray.data.Dataset], tokenizer, data: DataSectio
                  f"data.eval_fraction={data.eval_fraction} of data.train_path (the held-out share came out empty)")
         raise UserInputError(f"{where}: no eval record left with a target token within data.max_seq_len="
                              f"{data.max_seq_len} ({len(records)} read); give more or longer-allowed eval data")
-    model_inputs = {k: v[keep] for k, v in rows.items() if k.endswith(("input_ids", "labels"))}  # pairs: both sides
-    return model_inputs, int((~keep).sum())
+    columns = {k: v[keep] for k, v in rows.items() if k not in ("targets", "truncated", "length")}
+    return columns, int((~keep).sum())

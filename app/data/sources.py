@@ -206,3 +206,26 @@ def load_hf_disk(location: str, split: str):
         name = split if split in ds else ("train" if "train" in ds else next(iter(ds)))
         ds = ds[name]
     return ds
+
+
+def first_records(source: DataSource, fmt: str, split: str = "train", count: int = 2) -> list[dict]:
+    """The first `count` records of a local source (what the driver tries the reward functions on before any
+    worker starts); none of a remote or hub source."""
+    if source.kind == "jsonl" and source.files:
+        records = []
+        with open(source.files[0], encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    records.append(json.loads(line))
+                if len(records) == count:
+                    break
+        return records
+    if source.kind == "json_array":
+        return read_json_array(source.location, fmt)[:count]
+    if source.kind == "parquet" and source.files:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(source.files[0]).read_row_group(0).slice(0, count).to_pylist()
+    if source.kind == "hf_disk":
+        return load_hf_disk(source.location, split).select(range(count)).to_list()
+    return []

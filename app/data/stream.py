@@ -35,6 +35,17 @@ class RankStream:
     def __next__(self) -> dict:
         return next(self._batches)
 
+    def take_figures(self, step_seconds: float) -> dict[str, float]:
+        """Figures of the data the last step took (none here; GRPO's stream reports its rollouts')."""
+        return {}
+
+    def state(self) -> dict:
+        """What a checkpoint keeps beyond the data position: nothing here."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
+
     def __iter__(self) -> Iterator[dict]:
         return self
 
@@ -63,11 +74,16 @@ MODEL_INPUTS = ("input_ids", "labels", "position_ids")  # preference pairs: chos
 
 
 def without_targets(batch: dict) -> dict:
-    """The batch's last row with nothing to learn or count: every label ignored, its real tokens and
-    records per source zero."""
-    row = {k: torch.as_tensor(v[-1:]) for k, v in batch.items()}
-    return {k: v if k.endswith(("input_ids", "position_ids")) else
+    """The batch's last row with nothing to learn or count: every label ignored, its real tokens, records per
+    source and prompt flag zero (a text column, a prompt's record, kept)."""
+    row = {k: v[-1:] if is_text(v) else torch.as_tensor(v[-1:]) for k, v in batch.items()}
+    return {k: v if is_text(v) or k.endswith(("input_ids", "position_ids")) else
             torch.full_like(v, IGNORE_INDEX) if k.endswith("labels") else torch.zeros_like(v) for k, v in row.items()}
+
+
+def is_text(values) -> bool:
+    """A column of Python objects (a prompt's record as JSON), which stays as it is, off the device."""
+    return isinstance(values, np.ndarray) and values.dtype.kind in "OUS" or isinstance(values, list)
 
 
 def column_batches(columns: dict, batch_size: int, device: torch.device) -> Iterator[dict]:
@@ -79,9 +95,9 @@ def column_batches(columns: dict, batch_size: int, device: torch.device) -> Iter
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """The model's inputs on `device`; the bookkeeping columns (each row's real tokens and records per
-    source) stay on the host."""
-    return {k: _tensor(v).to(device, non_blocking=True) if k.endswith(MODEL_INPUTS) else _tensor(v)
-            for k, v in batch.items()}
+    source) stay on the host, and text columns as they are."""
+    return {k: v if is_text(v) else _tensor(v).to(device, non_blocking=True) if k.endswith(MODEL_INPUTS)
+            else _tensor(v) for k, v in batch.items()}
 
 
 def _tensor(values) -> torch.Tensor:

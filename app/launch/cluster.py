@@ -4,6 +4,7 @@ sized to this machine; and whether it can hold the job's workers and reach its f
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -19,12 +20,13 @@ from app.launch import console
 from app.runs.layout import is_uri
 
 
-def init_ray(verbose: bool = False) -> bool:
+def init_ray(verbose: bool = False, extra_cpus: float = 0.0) -> bool:
     """Join the running cluster, or start a local, single-process-tree one sized to this machine; whether this
     call connected (a process already connected, as a test session is, keeps its cluster).
 
-    The local cluster declares two logical CPUs more than the cores it runs on: the training
-    workers hold one each, and Ray Data's read and tokenize tasks need room beside them.
+    The local cluster declares two logical CPUs more than the cores it runs on (and `extra_cpus`: what GRPO's
+    rollout actors reserve): the training workers hold one each, and Ray Data's read and tokenize tasks need
+    room beside them.
     """
     if ray.is_initialized():
         return False
@@ -33,7 +35,8 @@ def init_ray(verbose: bool = False) -> bool:
         ray.init(logging_level=level)
     else:  # "local": never join a `ray start` cluster by accident; the dashboard binds to 127.0.0.1
         with state_api_address_pinned() as port:
-            ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, logging_level=level, dashboard_port=port)
+            ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2 + math.ceil(extra_cpus), logging_level=level,
+                     dashboard_port=port)
     if not verbose:
         console.filter_worker_output()
     if threading.current_thread() is threading.main_thread():
@@ -74,15 +77,20 @@ def check_placement(cfg: FinetuneConfig) -> None:
     have = ray.cluster_resources()
     workers = cfg.scaling.worker_counts[0]
     key = "scaling.min_workers" if cfg.scaling.elastic else "scaling.num_workers"
-    need_cpu = workers * cfg.scaling.cpus_per_worker
+    rollout_cpus, rollout_gpus = rollout_resources(cfg)
+    need_cpu = workers * cfg.scaling.cpus_per_worker + rollout_cpus
+    beside = f" and {rollout_cpus:g} for grpo.rollout_workers" if rollout_cpus else ""
     if need_cpu > have.get("CPU", 0):
         raise UserInputError(
-            f"{key}={workers} needs {need_cpu:g} CPUs ({cfg.scaling.cpus_per_worker:g} per worker) but the "
-            f"cluster has {have.get('CPU', 0):g}; lower {key} or scaling.cpus_per_worker, or add nodes")
-    if cfg.scaling.use_gpu and workers > have.get("GPU", 0):
+            f"{key}={workers} needs {workers * cfg.scaling.cpus_per_worker:g} CPUs ({cfg.scaling.cpus_per_worker:g} "
+            f"per worker){beside} but the cluster has {have.get('CPU', 0):g}; lower {key} or "
+            "scaling.cpus_per_worker, or add nodes")
+    need_gpu = (workers if cfg.scaling.use_gpu else 0) + rollout_gpus
+    if need_gpu > have.get("GPU", 0):
         raise UserInputError(
-            f"{key}={workers} with scaling.use_gpu=true needs {workers} GPUs but the cluster has "
-            f"{have.get('GPU', 0):g}; lower {key}, or set scaling.use_gpu=false to train on CPUs")
+            f"{key}={workers} with scaling.use_gpu={str(cfg.scaling.use_gpu).lower()} needs {need_gpu:g} GPUs "
+            f"(grpo.rollout_gpus included) but the cluster has {have.get('GPU', 0):g}; lower {key}, or set "
+            "scaling.use_gpu=false to train on CPUs")
     hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}  # nodes of one host: one
     if len(hosts) > 1 and not output_reaches_every_host(cfg):
         raise UserInputError(
@@ -100,8 +108,15 @@ def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
     return cfg.train.shared_output_dir or bool(storage and local.is_relative_to(Path(storage).resolve()))
 
 
+def rollout_resources(cfg: FinetuneConfig) -> tuple[float, float]:
+    """(CPUs, GPUs) GRPO's rollout actors reserve beside the training workers; none for the other objectives."""
+    if cfg.train.objective != "grpo":
+        return 0.0, 0.0
+    return cfg.grpo.rollout_workers * cfg.grpo.rollout_cpus, cfg.grpo.rollout_workers * cfg.grpo.rollout_gpus
+
+
 def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:
     """Whether the driver's Ray Data tasks (read, tokenize) find a CPU with every training worker placed:
     then the worker group starts while the data is built, else after (the workers would hold every CPU
-    the data needs while they wait for it)."""
+    the data needs while they wait for it). Asked once the rollout actors, if any, hold theirs."""
     return ray.available_resources().get("CPU", 0) >= cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 1

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 import ray
 
 from app.data.coordinator import load_passes, start_pass_coordinator
+from app.data.passes import source_key
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
 from app.errors import first_line, warn
 from app.launch.background import in_background
@@ -32,13 +33,14 @@ def build_data(job: Job) -> tuple[TrainData, dict, dict[str, float]]:
         warn(f"{train.dropped_rows} train and {eval_dropped} eval records have no target token left after "
              f"truncation to data.max_seq_len={cfg.data.max_seq_len}; they are left out")
     if train.malformed_rows:
-        warn(f"{train.malformed_rows} train records lack the fields data.format={cfg.data.format} needs; they are "
-             "left out")
+        warn(f"{train.malformed_rows} train records lack the fields data.format={cfg.data.format} needs, or the chat "
+             "template refuses them; they are left out")
     stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped,
              "data_train_records_malformed": train.malformed_rows}
     if cfg.train.objective == "dpo":
         stats["data_train_pair_tokens_truncated"] = train.truncated_tokens
-    stats |= {f"data_pass_rows/{name}": rows for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
+    stats |= {f"data_pass_rows/{source_key(name)}": rows
+              for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}
     return train, eval_rows, stats
 
 

@@ -10,14 +10,17 @@ alone: the model stack, Ray Train, Ray Data and MLflow load while Ray starts, in
 
 from __future__ import annotations
 
+import _thread
+import signal
 import time
 
 import ray
 
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
+from app.errors import UserInputError
 from app.launch.background import in_background
-from app.launch.cluster import check_placement, init_ray
+from app.launch.cluster import check_placement, init_ray, rollout_resources
 from app.launch.inputs import CheckedInputs, CheckedSources, check_files
 from app.launch.job import Job
 from app.launch.summary import job_summary
@@ -44,12 +47,13 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     check_run_dir(cfg.run_dir, resume)
     cfg, inputs = checked_while_ray_starts(cfg, sources, startup, verbose)
     check_placement(cfg)
-    with claimed_run(cfg.run_dir, resume) as run_to_continue:
+    claim = ClaimWatch()
+    with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile
 
         job = Job(cfg, inputs, recording.open_mlflow_run(cfg, inputs, run_to_continue), startup, verbose)
         startup.reached("mlflow_run_ready")
-        metrics, model, mlflow_synced = train_and_record(job)
+        metrics, model, mlflow_synced = train_and_record(job, claim)
     return job_summary(cfg, job.run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)
 
 
@@ -58,7 +62,7 @@ def checked_while_ray_starts(cfg: FinetuneConfig, sources: CheckedSources, start
     """Ray starts (or is joined) while a thread runs the checks that load the model stack; a local cluster
     this call started is stopped again if they fail: nothing of this job is left running."""
     checked = in_background("checks", check_model_stack, cfg, sources, startup)
-    started_ray = init_ray(verbose)
+    started_ray = init_ray(verbose, extra_cpus=rollout_resources(cfg)[0])
     startup.reached("ray_ready")
     try:
         return checked.result()
@@ -75,22 +79,46 @@ def check_model_stack(cfg: FinetuneConfig, sources: CheckedSources,
     return check_model(cfg, sources, startup)
 
 
-def train_and_record(job: Job) -> tuple[dict, dict[str, str], bool]:
-    """The data built (beside the worker group's start where it fits), the workers trained, the MLflow run
-    tagged with its best evaluation, the adapter logged as a model, and the run ended with its real status
-    (journaled if MLflow is down): (Ray Train's final metrics, the logged model's URIs, whether MLflow has
-    everything)."""
-    from app.launch import data_build, recording, trainer  # start-up: Ray Data and Ray Train, once Ray is up
+def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str], bool]:
+    """GRPO's rollout actors started, the data built (beside the worker group's start where it fits), the workers
+    trained, the MLflow run tagged with its best evaluation, the adapter logged as a model, and the run ended with
+    its real status (journaled if MLflow is down): (Ray Train's final metrics, the logged model's URIs, whether
+    MLflow has everything). A run whose claim another job took over is stopped and left to that job: its MLflow
+    run untouched, the reason raised in one line."""
+    from app.launch import data_build, recording, rollout_group, trainer  # start-up: Ray Data, Train, once Ray is up
 
     status = "FAILED"
     try:
+        rollouts = rollout_group.start_rollout_group(job.cfg) if job.cfg.train.objective == "grpo" else []
         passes, data = data_build.start_data(job)
-        metrics = trainer.train_on_workers(trainer.build_trainer(job, passes), data)
+        metrics = trainer.train_on_workers(trainer.build_trainer(job, passes, rollouts), data)
+        claim.raise_if_lost()
         status = "FINISHED"
         model = recording.record_outcome(job.cfg, job.run_id, metrics)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
+        claim.raise_if_lost()
         status = "KILLED"
         raise
+    except Exception:
+        claim.raise_if_lost()  # the aborted workers' error is not the reason
+        raise
     finally:
-        mlflow_synced = recording.end_run(job.cfg, job.run_id, status)
+        mlflow_synced = recording.end_run(job.cfg, job.run_id, status) if claim.reason is None else False
     return metrics, model, mlflow_synced
+
+
+class ClaimWatch:
+    """What the driver does when its claim on the run is found taken by another job (this one was cut off from
+    the storage past its lease, and the run was taken over): it stops the run (as Ctrl-C would: Ray Train aborts
+    the worker group) and ends with the reason, writing nothing more to the run or its MLflow run."""
+
+    def __init__(self):
+        self.reason: str | None = None
+
+    def lost(self, reason: str) -> None:
+        self.reason = reason
+        _thread.interrupt_main(signal.SIGINT)
+
+    def raise_if_lost(self) -> None:
+        if self.reason is not None:
+            raise UserInputError(self.reason) from None

@@ -28,6 +28,7 @@ class CheckedSources:
 class CheckedInputs(CheckedSources):
     tokenizer: object
     init_adapter: dict | None = None  # model.init_adapter's weights (saved key -> tensor)
+    init_adapter_sha256: str | None = None  # of its weights file: a resumed run must start from the same
 
 
 def check_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:

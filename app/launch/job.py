@@ -41,3 +41,4 @@ class WorkerLaunch:
     # with the training function, never in a runtime env, job metadata or log
     mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
     init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
+    rollouts: tuple = ()  # GRPO's rollout actors (app/launch/rollout_group.py)

@@ -6,15 +6,17 @@ job started is stopped again if one fails; no worker starts before they pass."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 from transformers import AutoConfig
 
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
 from app.data.formatting import check_chat_template
+from app.data.sources import first_records
 from app.errors import UserInputError, first_line, warn
 from app.launch.inputs import CheckedInputs, CheckedSources
-from app.model.adapter import read_adapter_weights
+from app.model.adapter import ADAPTER_WEIGHTS, read_adapter_weights
 from app.model.base import build_meta_base_model, check_lora_targets, load_tokenizer
 from app.model.init_adapter import check_init_adapter
 from app.model.packing_probe import packing_problem
@@ -23,8 +25,9 @@ from app.model.sharding import decoder_layers
 from app.model.slices import slice_loading_problem
 from app.tracking.adapters import Base, adapter_folder, base_of
 from app.tracking.mlflow_run import fluent_tracking_uri
-from app.train import task_metrics
+from app.train import rewards, task_metrics
 from app.train.progress import StartupClock
+from app.train.rollouts import as_answers, reward_columns
 
 
 def check_model(cfg: FinetuneConfig, sources: CheckedSources,
@@ -49,18 +52,35 @@ def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedI
         check_nf4_shapes(cfg)
     if cfg.data.packing:
         check_packing(cfg.model)
-    for spec in cfg.eval.metrics if cfg.eval.generation_rows else ():
+    for spec in cfg.eval.metrics if cfg.eval.generation_rows or cfg.train.objective == "grpo" else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=read_init_adapter(cfg))
+    if cfg.train.objective == "grpo":
+        check_reward_functions(cfg, sources)
+    weights, digest = read_init_adapter(cfg)
+    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=weights, init_adapter_sha256=digest)
 
 
-def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
+def check_reward_functions(cfg: FinetuneConfig, sources: CheckedSources) -> None:
+    """Every grpo.reward_funcs entry imported and called once, with empty answers, on the first records of the
+    first train source: a file that does not import, a missing name, a call that raises, a list of the wrong
+    length or a NaN is one line naming the function, here, before any worker starts."""
+    records = first_records(sources.train[0], "prompt", cfg.data.split)
+    texts = [""] * len(records)
+    for spec in cfg.grpo.reward_funcs:
+        rewards.load_reward_function(spec)
+        if records:
+            rewards.call_reward(spec, [r["prompt"] for r in records], as_answers(texts, records),
+                                [[] for _ in records], reward_columns(records))
+
+
+def read_init_adapter(cfg: FinetuneConfig) -> tuple[dict | None, str | None]:
     """model.init_adapter found (a folder, a run under train.output_dir, a registered version), checked against
-    the model this run builds, and its weights read: the driver ships them to the workers, which need not
-    reach where it came from."""
+    the model this run builds, and its weights read, with their file's sha256: the driver ships them to the
+    workers, which need not reach where it came from, and records the digest (a run resumed from another
+    adapter, an alias that moved, is refused)."""
     source = cfg.model.init_adapter
     if source is None:
-        return None
+        return None, None
     registry = fluent_tracking_uri(cfg.mlflow.tracking_uri) if source.startswith("models:/") else None
     try:
         with registry or contextlib.nullcontext():
@@ -76,7 +96,15 @@ def read_init_adapter(cfg: FinetuneConfig) -> dict | None:
     if not trained_on.same_as(Base(cfg.model.path, cfg.model.revision)):
         warn(f"model.init_adapter={source} was trained on {trained_on}; this run's base is {cfg.model.path} (the "
              "shapes agree)")
-    return read_adapter_weights(folder)
+    return read_adapter_weights(folder), file_sha256(folder / ADAPTER_WEIGHTS)
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def check_nf4_shapes(cfg: FinetuneConfig) -> None:

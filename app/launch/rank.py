@@ -18,6 +18,7 @@ from app.data.stream import column_batches
 from app.errors import first_line, warn
 from app.launch import faults
 from app.launch.job import WorkerLaunch
+from app.launch.rollout_group import RayRollouts, local_scorer, ray_scorer
 from app.train.checkpoint import TrainerState
 from app.train.progress import StartupClock
 from app.train.ranks import RankContext
@@ -76,7 +77,7 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
 
     def train_pass(pass_index: int):
         [rows] = ray.get(launch.passes.rank_rows.remote(pass_index, ctx.rank, ctx.world_size))
-        return batches_of(ray.get(rows), cfg.train.micro_batch_size)
+        return batches_of(ray.get(rows), cfg.rows_per_batch(ctx.world_size))
 
     def eval_pass():
         if not eval_rows:
@@ -94,11 +95,12 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
     else:
         tracker = NoTracking()
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
+    rollouts, scorer = grpo_sides(cfg, launch, ctx.rank)
     try:
         FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
                        cfg.run_dir, launch.job_start_time, launch.source_names,
                        ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
-                       pace=faults.step_pacing()).train()
+                       pace=faults.step_pacing(), rollouts=rollouts, scorer=scorer).train()
     except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
         return
     finally:
@@ -106,6 +108,16 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
             system.finish()
         if ctx.is_main:
             tracker.close()
+
+
+def grpo_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:
+    """GRPO's rollouts (the actors the driver started) and reward scorer (in this worker, or as Ray tasks with
+    grpo.reward_workers) as this rank uses them; (None, None) for the other objectives."""
+    if cfg.train.objective != "grpo":
+        return None, None
+    specs = cfg.grpo.reward_funcs
+    scorer = ray_scorer(specs, cfg.grpo.reward_workers) if cfg.grpo.reward_workers else local_scorer(specs)
+    return RayRollouts(list(launch.rollouts), rank), scorer
 
 
 def start_system_metrics(cfg: FinetuneConfig, run_id: str):

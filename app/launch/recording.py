@@ -9,6 +9,7 @@ import os
 import ray
 
 from app.config.schema import FinetuneConfig
+from app.data.passes import source_key, source_names
 from app.environment import in_ray_job, ray_job_id
 from app.errors import first_line, warn
 from app.launch.inputs import CheckedInputs
@@ -17,7 +18,7 @@ from app.tracking import mlflow_run
 from app.tracking.registry import log_adapter_model
 
 
-def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
+def run_tags(cfg: FinetuneConfig, inputs: CheckedInputs) -> dict[str, str | None]:
     return {
         "mlflow.user": getpass.getuser(),  # the UI's "Created by" and "Source"
         "mlflow.source.name": "jobs.finetune",
@@ -28,15 +29,26 @@ def run_tags(cfg: FinetuneConfig) -> dict[str, str | None]:
         "ray.job_submission_id": ray_job_id(),
         "ray.job_id": ray.get_runtime_context().get_job_id() if ray.is_initialized() else None,
         "data.train_path": ", ".join(cfg.data.train_paths),
+        "data.source_keys": source_keys_tag(cfg),
+        "init_adapter": cfg.model.init_adapter,
+        "init_adapter_sha256": inputs.init_adapter_sha256 or "none",  # what a resume must start from too
     }
+
+
+def source_keys_tag(cfg: FinetuneConfig) -> str | None:
+    """Which metric key (data_share/<key>) is which source, where a name had to change to be one."""
+    names = source_names(cfg.data.train_paths)
+    if all(source_key(name) == name for name in names):
+        return None
+    return "; ".join(f"{source_key(name)}: {name}" for name in names)
 
 
 def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None) -> str:
     """A new MLflow run (recorded in the run directory), or the resumed one reopened."""
     if run_to_continue is not None:
-        mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg), cfg.model.revision)
+        mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg, inputs), cfg.model.revision)
         return run_to_continue
-    run_id = mlflow_run.start_run(cfg, run_tags(cfg), {"data.train_rows": sum(inputs.train_rows),
+    run_id = mlflow_run.start_run(cfg, run_tags(cfg, inputs), {"data.train_rows": sum(inputs.train_rows),
                                                       "data.eval_rows": inputs.eval_rows},
                                   [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
     cfg.run_dir.write_record(run_id)

@@ -20,16 +20,17 @@ from app.model.sharding import process_group_backend
 from app.train import host_memory
 
 
-def build_trainer(job: Job, passes) -> TorchTrainer:
+def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
     """The worker group of the run: each worker runs app/launch/worker.py's `train_worker` with a WorkerLaunch
     (the config, the MLflow run, the pass coordinator, the starting adapter's weights through the object
-    store, and the MLflow credentials, which travel with the function, never in an environment)."""
+    store, GRPO's rollout actors, and the MLflow credentials, which travel with the function, never in an
+    environment)."""
     cfg, inputs = job.cfg, job.inputs
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
     launch = WorkerLaunch(cfg, job.run_id, job.startup.job_start_time, passes,
                           source_names([s.location for s in inputs.train]), credentials,
-                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None)
+                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts))
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     return TorchTrainer(
         functools.partial(train_worker, launch),

@@ -105,6 +105,25 @@ def write_preference_dataset(out_dir: Path, train_pairs: int = 2000, eval_number
         os.rename(partial, out_dir / name)
 
 
+PROMPT_FILES = ("grpo_train.jsonl", "grpo_eval.jsonl")
+
+
+def write_prompt_dataset(out_dir: Path, train_prompts: int = 2000, eval_numbers: int = 100, seed: int = 0) -> None:
+    """grpo_{train,eval}.jsonl: a conversational prompt and the number's spelling as `answer`, the column the
+    reward functions (jobs/rewards.py) check answers against; the eval numbers are those of eval.jsonl, never
+    in training. Written in place with a rename."""
+    held_out, by_digits, _ = _numbers(seed, eval_numbers)
+    rng = random.Random(seed + 2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, numbers in zip(PROMPT_FILES, ([rng.choice(rng.choice(by_digits)) for _ in range(train_prompts)],
+                                            sorted(held_out))):
+        records = [{"prompt": [{"role": "user", "content": rng.choice(_PROMPTS).format(n=n)}],
+                    "answer": number_in_words(n)} for n in numbers]
+        partial = out_dir / f"{name}.partial-{os.getpid()}"
+        partial.write_text("".join(json.dumps(record) + "\n" for record in records))
+        os.rename(partial, out_dir / name)
+
+
 def build_tokenizer(corpus: list[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer (digits split one by one) with a ChatML-style chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -158,13 +177,14 @@ def pretrain(model, tokenizer, steps: int = 250, batch_size: int = 64, lr: float
 
 
 def build_embedded(root: Path, seed: int = 0) -> dict[str, str]:
-    """Write `root/model` (bf16 weights + tokenizer, Hugging Face format), `root/data/{train,eval}.jsonl` and
-    the preference pairs `root/data/preference_{train,eval}.jsonl`."""
+    """Write `root/model` (bf16 weights + tokenizer, Hugging Face format), `root/data/{train,eval}.jsonl`, the
+    preference pairs `root/data/preference_{train,eval}.jsonl` and the prompts `root/data/grpo_{train,eval}.jsonl`."""
     import torch
 
     data_dir, model_dir = root / "data", root / "model"
     write_dataset(data_dir, seed=seed)
     write_preference_dataset(data_dir, seed=seed)
+    write_prompt_dataset(data_dir, seed=seed)
     records = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
     corpus = ["user", "assistant"] + pretraining_text() + [m["content"] for r in records for m in r["messages"]]
     tokenizer = build_tokenizer(corpus)
@@ -200,7 +220,8 @@ def build_once(root: Path) -> None:
     """`build_embedded(root)` unless it is built: a lock makes two processes starting at once (two jobs,
     two test workers) build it one time, and the build lands in place with a rename, never half-written."""
     def built() -> bool:
-        return (root / "model" / "config.json").exists() and all((root / "data" / f).exists() for f in PREFERENCE_FILES)
+        return (root / "model" / "config.json").exists() and all((root / "data" / f).exists()
+                                                                 for f in PREFERENCE_FILES + PROMPT_FILES)
 
     if built():
         return
@@ -209,8 +230,9 @@ def build_once(root: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if built():  # built by another process while this one waited
             return
-        if (root / "model" / "config.json").exists():  # built before the preference pairs were part of it
+        if (root / "model" / "config.json").exists():  # built before the pairs or the prompts were part of it
             write_preference_dataset(root / "data")
+            write_prompt_dataset(root / "data")
             return
         print(f"building the embedded demo model and data in {root} (once; about a minute)",
               file=sys.stderr, flush=True)

@@ -115,6 +115,20 @@ class RunDir:
         with filesystem.open_output_stream(where) as f:
             f.write(text.encode())
 
+    def replace_text(self, text: str, *parts: str) -> None:
+        """Write the file whole or not at all: on a local disk beside it, then renamed over it (a full disk or a
+        kill midway leaves the old file); an object store replaces an object in one put."""
+        if not self.is_local:
+            self.write_text(text, *parts)
+            return
+        target = Path(self.path(*parts))
+        staged = target.with_name(f"{target.name}.partial-{os.getpid()}")
+        try:
+            staged.write_text(text)
+            os.replace(staged, target)
+        finally:
+            staged.unlink(missing_ok=True)
+
     def modified(self, *parts: str) -> float:
         """When the file was last written, in seconds since the epoch."""
         filesystem, where = self._where(*parts)

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException
 
+from app.errors import first_line
+from app.serve.encoder import PromptEncoder
 from app.serve.engine import Engine, Job
-from app.serve.prompts import PromptEncoder
 from app.serve.protocol import ApiError, ChatRequest, validation_error
 
 
@@ -110,6 +113,13 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
     async def _invalid(_, error: RequestValidationError):
         return await _refused(_, validation_error(error.errors()))
 
+    @api.exception_handler(HTTPException)  # a route or method the API does not have: 404, 405, in OpenAI's shape
+    async def _no_route(request, error: HTTPException):
+        message = f"{request.method} {request.url.path}: {error.detail}; the API serves GET /v1/models and " \
+                  "POST /v1/chat/completions"
+        return JSONResponse(ApiError(error.status_code, message, None, "not_found").body(),
+                            status_code=error.status_code, headers=error.headers)
+
     @api.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ray-lora-fsdp"}
@@ -145,7 +155,11 @@ def _job(served: Served, encoder: PromptEncoder, request: ChatRequest) -> Job:
     if request.model not in served.names:
         raise ApiError(404, f"model {request.model!r} is not served; GET /v1/models lists them", "model",
                        "model_not_found")
-    prompt = encoder.encode([m.model_dump(include={"role", "content"}) for m in request.messages])
+    try:
+        prompt = encoder.encode([m.model_dump(include={"role", "content"}) for m in request.messages])
+    except TemplateError as e:  # roles or an order the model's template refuses (Gemma: no system; Mistral: alternate)
+        raise ApiError(400, f"messages: the model's chat template refuses them ({first_line(e, 200)})", "messages",
+                       "invalid_messages") from None
     room = served.context - len(prompt)
     if room < 1:
         raise ApiError(400, f"messages: the prompt is {len(prompt)} tokens; this model's context is "

@@ -57,10 +57,29 @@ class Job:
 
 def _held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters may not be sent yet: an unfinished UTF-8 character, or the start of
-    a stop sequence."""
+    a stop sequence (the longest end of `text` that begins one). Linear in the stops' length."""
     if text.endswith("\ufffd"):
         return len(text) - len(text.rstrip("\ufffd"))
-    return max((k for stop in stops for k in range(len(stop) - 1, 0, -1) if text.endswith(stop[:k])), default=0)
+    return max((_overlap(text[-(len(stop) - 1):] if len(stop) > 1 else "", stop) for stop in stops), default=0)
+
+
+def _overlap(tail: str, stop: str) -> int:
+    """The length of the longest suffix of `tail` that is a prefix of `stop` (Knuth-Morris-Pratt's matcher run
+    over `tail`, shorter than `stop`): O(len(stop))."""
+    failure, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = failure[k - 1]
+        k += stop[i] == stop[k]
+        failure[i] = k
+    matched = 0
+    for char in tail:
+        while matched and char != stop[matched]:
+            matched = failure[matched - 1]
+        matched += char == stop[matched]
+        if matched == len(stop):  # a whole stop inside the tail is cut by the caller; never here
+            matched = failure[matched - 1]
+    return matched
 
 
 class _Rows(StoppingCriteria):
@@ -146,8 +165,8 @@ class Engine:
         sampling = {"do_sample": False} if kind == "greedy" else \
             {"do_sample": True, "temperature": settings[0], "top_p": settings[1], "top_k": None}
         try:
-            if jobs[0].seed is not None:
-                torch.manual_seed(jobs[0].seed)  # a seeded job runs alone
+            if jobs[0].seeded:
+                torch.manual_seed(jobs[0].seed)  # a seeded sampled job runs alone; greedy ones draw nothing
             with torch.no_grad():
                 self.model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.pad, **sampling,
                                     max_new_tokens=max(job.max_tokens for job in jobs),

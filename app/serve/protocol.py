@@ -7,11 +7,11 @@ neutral values. A refusal is `{"error": {"message", "type", "param", "code"}}` w
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.serve.prompts import ROLES
+from app.serve.encoder import ROLES
 
 
 class ApiError(Exception):
@@ -40,14 +40,29 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
 
+MAX_STOP_CHARS = 512  # a stop is looked for after every token: its length bounds that work
+
+
+def _unicode(text: str) -> str:
+    """Text a tokenizer can encode: JSON allows lone surrogates (\\ud800), which UTF-8 cannot hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class Message(_Strict):
     role: Literal[ROLES]  # the roles the chat template is written for
-    content: str
-    name: str | None = None  # OpenAI's participant name: accepted, not shown to the model
+    content: Text
+    name: Text | None = None  # OpenAI's participant name: accepted, not shown to the model
 
 
 class StreamOptions(_Strict):
@@ -63,7 +78,7 @@ class ChatRequest(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = 1
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # what torch's generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's records: accepted, unused
@@ -84,7 +99,9 @@ class ChatRequest(_Strict):
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 4 or not all(stops):
             raise ValueError("at most 4 stop sequences, none empty")
-        return stops
+        if max(map(len, stops), default=0) > MAX_STOP_CHARS:
+            raise ValueError(f"each stop sequence is at most {MAX_STOP_CHARS} characters")
+        return [_unicode(stop) for stop in stops]
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

@@ -20,6 +20,7 @@ import time
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils import validation
 
 from app.errors import UserInputError, warn
 from app.runs.claim import RunBusy, claim_of, describe_owner, this_process
@@ -93,8 +94,8 @@ class Journal:
                 done += self._send_next(client, run_id, sendable[done:], counts)
         finally:
             rest = skipped + [line for _, line in entries[done:]]
-            if done < len(sendable):
-                self.run_dir.write_text("".join(line + "\n" for line in rest), JOURNAL)
+            if done < len(sendable):  # beside it, then renamed: a full disk keeps the journal as it was
+                self.run_dir.replace_text("".join(line + "\n" for line in rest), JOURNAL)
         kept = f"{JOURNAL}.synced-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_dir.write_text(self.run_dir.read_text(JOURNAL), kept)
         self.run_dir.delete(JOURNAL)
@@ -134,8 +135,11 @@ class Journal:
                 if not ("metric" in entry or "param" in entry) or len(run) == BATCH:
                     break
                 run.append(entry)
-            metrics = [Metric(e["metric"], e["value"], e["timestamp"], e["step"]) for e in run if "metric" in e]
-            params = [Param(e["param"], e["value"]) for e in run if "param" in e]
+            metrics = [Metric(e["metric"], e["value"], e["timestamp"], e["step"]) for e in run
+                       if "metric" in e and is_valid_name(e["metric"])]
+            params = [Param(e["param"], e["value"]) for e in run if "param" in e and is_valid_name(e["param"])]
+            if refused := len(run) - len(metrics) - len(params):
+                _count(sent, "names MLflow refuses, skipped", refused)
             try:
                 client.log_batch(run_id, metrics=metrics, params=params)
             except MlflowException as e:
@@ -162,6 +166,15 @@ class Journal:
             client.set_terminated(run_id, status=first["status"])
             _count(sent, "statuses", 1)
         return 1
+
+
+def is_valid_name(name: str) -> bool:
+    """Whether MLflow takes `name` as a metric or param name (its own rule)."""
+    try:
+        validation._validate_metric_name(name)
+    except MlflowException:
+        return False
+    return True
 
 
 def _count(counts: dict, kind: str, n: int) -> None:

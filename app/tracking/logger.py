@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from app.errors import first_line, warn
 from app.runs.layout import SAMPLES, RunDir
-from app.tracking.journal import Journal
+from app.tracking.journal import Journal, is_valid_name
 
 MAX_PARAM_CHARS = 6000
 
@@ -50,6 +50,7 @@ class RunLogger:
         self._logged_through: int | None = None  # found by the sender before it sends anything
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
         self._pending: _Batch | None = None  # the batch being sent
+        self._refused: set[str] = set()  # names MLflow refused, warned of once
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
         self._thread.start()
@@ -118,13 +119,38 @@ class RunLogger:
             self._failing_in_a_row = 0
             return True
         except MlflowException as e:
-            if e.error_code == "INVALID_PARAMETER_VALUE":  # rejected, not unreachable: retrying cannot help
-                warn(f"MLflow rejected a batch ({first_line(e, 200)}); it is dropped")
-                return True
+            if e.error_code == "INVALID_PARAMETER_VALUE":  # rejected, not unreachable: retrying it cannot help
+                return self._send_what_is_taken(batch, e)
             self._report_failure(e)
         except Exception as e:  # the server being down must not end training
             self._report_failure(e)
         return False
+
+    def _send_what_is_taken(self, batch: _Batch, rejection: MlflowException) -> bool:
+        """A batch MLflow refused: sent again without the metrics and params whose names it refuses, then (if it
+        still refuses) without the params (one the run holds another value of); what is left out is warned of
+        once per name. Every other figure of the step still lands."""
+        metrics = [m for m in batch.metrics if is_valid_name(m.key)]
+        params = [p for p in batch.params if is_valid_name(p.key)]
+        for keep in (_Batch(metrics, params), _Batch(metrics, [])):
+            left_out = [x.key for x in batch.metrics + batch.params if x not in keep.metrics + keep.params]
+            if not (keep.metrics or keep.params):
+                break
+            try:
+                self.client.log_batch(self.run_id, metrics=keep.metrics, params=keep.params)
+            except MlflowException as e:
+                if e.error_code != "INVALID_PARAMETER_VALUE":
+                    self._report_failure(e)
+                    return False
+                rejection = e
+                continue
+            for name in sorted(set(left_out) - self._refused):
+                warn(f"MLflow refuses {name!r} ({first_line(rejection, 200)}); it is left out, the rest is logged")
+            self._refused |= set(left_out)
+            self._failing_in_a_row = 0
+            return True
+        warn(f"MLflow rejected a batch ({first_line(rejection, 200)}); it is dropped")
+        return True
 
     def _last_logged_step(self) -> int:
         """-1 for a new run; after a restart, the last step an earlier attempt logged (-1 as well if

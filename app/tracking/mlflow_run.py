@@ -147,7 +147,7 @@ def log_driver_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float]
 def reopen_run(tracking_uri: str, run_id: str, job_tags: dict[str, str | None], revision: str | None) -> None:
     """A resumed job continues its run: back to RUNNING, the resume counted in a tag, and the run's job
     tags naming this job now (what `jobs.submit list` reconciles the run with). It must train the base
-    model the run started with: the same hub commit."""
+    model the run started with (the same hub commit), from the same starting adapter (the same bytes)."""
     bound_http_calls()
     client = MlflowClient(tracking_uri)
     tags = client.get_run(run_id).data.tags
@@ -155,10 +155,24 @@ def reopen_run(tracking_uri: str, run_id: str, job_tags: dict[str, str | None], 
     if started_with and revision and started_with != revision:
         raise UserInputError(f"--resume: the run trained {tags.get('base_model')} at revision {started_with}, and "
                              f"model.revision now resolves to {revision}; set model.revision={started_with}")
+    check_same_init_adapter(tags, job_tags.get("init_adapter"), job_tags.get("init_adapter_sha256"))
     resumes = int(tags.get("resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
     tags = {"resumes": str(resumes)} | {k: v for k, v in job_tags.items() if k.startswith("ray.") and v}
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def check_same_init_adapter(run_tags: dict[str, str], source: str | None, sha256: str | None) -> None:
+    """A resumed run starts from the adapter its first attempt did (with DPO and GRPO: its reference): the same
+    weights, whatever model.init_adapter names now (a models:/NAME@alias that moved, a folder written over)."""
+    started = run_tags.get("init_adapter_sha256")  # "none": from a fresh adapter; absent: an older version's run
+    if started is None or started == (sha256 or "none"):
+        return
+    was = f"{run_tags.get('init_adapter')} (sha256 {started[:12]})" if started != "none" else "a fresh adapter"
+    now = (f"model.init_adapter={source} gives sha256 {sha256[:12]}" if sha256 and sha256 != "none"
+           else "model.init_adapter is not set")
+    raise UserInputError(f"--resume: the run started from {was}, and {now}: it would train (and measure against) "
+                         "another adapter; point model.init_adapter at the one it started from")
 
 
 JOB_TO_RUN_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}

@@ -52,15 +52,18 @@ def trainer_state(text: str) -> TrainerState:
 
 
 def save_training_state(directory: Path, model: nn.Module, optimizer, state: TrainerState, device: torch.device,
-                        best_adapter: dict[str, torch.Tensor] | None = None) -> None:
+                        best_adapter: dict[str, torch.Tensor] | None = None, stream_state: dict | None = None) -> None:
     """A collective: every rank writes its shard of the LoRA weights and optimizer state to `directory`
-    (rank 0 also the whole `best_adapter`, which every rank holds), and its RNG states on the CPU and on
-    `device`, the rank's accelerator (LoRA dropout draws there)."""
+    (rank 0 also the whole `best_adapter`, which every rank holds), its RNG states on the CPU and on
+    `device`, the rank's accelerator (LoRA dropout draws there), and what its data stream holds that the data
+    position does not give back (GRPO's rollouts still to train)."""
     reshard(model)  # the fp32 shards, not gathered copies an eval forward left behind
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
     rank = dist.get_rank()
     torch.save(rng_states(device), directory / f"rng-rank{rank}.pt")
+    if stream_state:
+        torch.save(stream_state, directory / f"stream-rank{rank}.pt")
     if rank == 0:
         (directory / TRAINER_STATE).write_text(json.dumps(asdict(state)))
         if best_adapter is not None:
@@ -97,6 +100,13 @@ def restore_rng_states(states: dict[str, torch.Tensor] | torch.Tensor, device: t
     torch.set_rng_state(states["cpu"])
     if device.type != "cpu" and device.type in states:
         torch.get_device_module(device).set_rng_state(states[device.type], device)
+
+
+def load_stream_state(directory: Path) -> dict:
+    """This rank's stream state (see save_training_state); empty where the checkpoint has none for it (another
+    worker count saved it: the stream starts afresh from the data position)."""
+    file = directory / f"stream-rank{dist.get_rank()}.pt"
+    return torch.load(file, weights_only=False) if file.exists() else {}
 
 
 def load_best_adapter(directory: Path) -> dict[str, torch.Tensor] | None:

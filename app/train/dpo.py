@@ -73,14 +73,18 @@ def tuner_layers_set(model, attribute: str, value):
             setattr(m, attribute, was)
 
 
+def reference_switch(model):
+    """The reference model for the block: the starting adapter where the run started from one
+    (model.init_adapter), else the base (the PEFT model with its adapter off; a model without LoRA layers is its
+    own reference). DPO's, and GRPO's KL term's."""
+    if REFERENCE in getattr(model, "peft_config", {}):
+        return tuner_layers_set(model, "_active_adapter", [REFERENCE])
+    return tuner_layers_set(model, "_disable_adapters", True)
+
+
 def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
-    """The same log-probs from the reference model, without gradients: the starting adapter where the run
-    started from one (model.init_adapter), else the base (the PEFT model with its adapter off; a model
-    without LoRA layers is its own reference)."""
-    has_reference = REFERENCE in getattr(model, "peft_config", {})
-    switch = (tuner_layers_set(model, "_active_adapter", [REFERENCE]) if has_reference
-              else tuner_layers_set(model, "_disable_adapters", True))
-    with torch.no_grad(), switch:
+    """The same log-probs from the reference model, without gradients."""
+    with torch.no_grad(), reference_switch(model):
         return sequence_logps(model, input_ids, labels, chunk_tokens)
 
 

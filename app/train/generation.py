@@ -84,7 +84,7 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_id
     return continuations
 
 
-def _all_ranks_done(mine: bool, device: torch.device) -> bool:
+def all_ranks_done(mine: bool, device: torch.device) -> bool:
     flag = torch.tensor([float(mine)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -115,7 +115,7 @@ def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_
     was_training = model.training
     model.eval()
     texts = greedy_batch(model, prompts, max_new_tokens, end_ids, pad_id, device,
-                         lambda mine_done: _all_ranks_done(mine_done, device))
+                         lambda mine_done: all_ranks_done(mine_done, device))
     model.train(was_training)
     release_free_host_memory()  # decoding grows its inputs a token at a time: every step a new size
     decoded = {i: tokenizer.decode(t, skip_special_tokens=True) for i, t in zip(mine, texts)}

@@ -53,6 +53,19 @@ def token_losses(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
     """Next-token cross-entropy at every position after the first, 0 where the label is masked: [rows, length - 1]
     in fp32 (packed rows under a FlashAttention kernel: one row laid end to end). With `chunk_tokens`, computed in
     chunks where the model's output head allows it."""
+    return _position_losses(model, batch, chunk_tokens)[0]
+
+
+def sampled_token_logps(model, batch: dict, chunk_tokens: int = 0,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each label under the logits divided by `temperature`, 0 where the label is masked;
+    the entropy of that distribution at each position, not differentiated): [rows, length - 1] each, in fp32.
+    What a sampled answer's tokens had under the policy that sampled them (app/train/grpo.py)."""
+    losses, entropy = _position_losses(model, batch, chunk_tokens, temperature, with_entropy=True)
+    return -losses, entropy
+
+
+def _position_losses(model, batch: dict, chunk_tokens: int, temperature: float = 1.0, with_entropy: bool = False):
     batch = _as_one_sequence_for_flash(model, batch)
     lm = _causal_lm(model)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids"), "use_cache": False}
@@ -63,11 +76,18 @@ def token_losses(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:
     softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
     hidden = _head_input(model, head, inputs, softcap) if head is not None else None
     if hidden is None:
-        logits = model(**inputs).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(labels.shape)
-    return ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels.flatten(), chunk_tokens,
-                                           softcap).view(labels.shape)
+        logits = model(**inputs).logits[:, :-1].float()
+        logits = logits / temperature if temperature != 1.0 else logits
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="none").view(labels.shape)
+        if not with_entropy:
+            return losses, None
+        with torch.no_grad():
+            log_probs = torch.log_softmax(logits, dim=-1)
+            return losses, -(log_probs.exp() * log_probs).sum(-1)
+    losses, entropy = ChunkedLinearCrossEntropy.apply(hidden[:, :-1].flatten(0, 1), head.weight, labels.flatten(),
+                                                      chunk_tokens, softcap, temperature, with_entropy)
+    return losses.view(labels.shape), entropy.view(labels.shape) if with_entropy else None
 
 
 STAND_IN_LOGIT = 64.0  # what the head's stand-in returns: anything done to logits after the head moves it
@@ -156,45 +176,39 @@ def chunkable_head(model) -> nn.Linear | None:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """cross_entropy(hidden @ weight.T [softcapped], labels) at each position (0 where masked), one chunk of
-    positions at a time. The gradients are computed in the forward, chunk by chunk, and kept (the size of
-    `hidden` and `weight`) instead of the logits; backward weighs each position's by its loss's gradient (the
-    loss scale under a sum, each sequence's DPO weight under DPO). The weight's gradient, summed in the
-    forward, takes one weight for every position: the LoRA recipes never train the head's base weight."""
+    """cross_entropy(hidden @ weight.T [softcapped] / temperature, labels) at each position (0 where masked), one
+    chunk of positions at a time, and (not differentiated) each position's entropy when asked. The gradients
+    are computed in the forward, chunk by chunk, and kept (the size of `hidden` and `weight`) instead of the
+    logits; backward weighs each position's by its loss's gradient (the loss scale under a sum, each sequence's
+    DPO weight under DPO, each token's GRPO weight). The weight's gradient, summed in the forward, takes one
+    weight for every position: the LoRA recipes never train the head's base weight."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None):
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, softcap: float | None, temperature: float = 1.0,
+                with_entropy: bool = False):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(losses)
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
-            logits = (h @ weight.T).float()  # what the model's head gives, then the fp32 cast the plain loss makes
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            valid = y != IGNORE_INDEX
-            target = y.clamp(min=0)
-            log_norm = torch.logsumexp(logits, dim=-1)
-            losses[start:start + chunk_tokens] = (log_norm - logits.gather(1, target[:, None])[:, 0]) * valid
-            if want_hidden or want_weight:
-                grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
-                grad[torch.arange(len(y), device=y.device), target] -= 1
-                grad *= valid[:, None]
-                if softcap:
-                    grad *= 1 - capped * capped
+            chunk = slice(start, start + chunk_tokens)
+            grad = _chunk_loss(h, weight, y, softcap, temperature, losses[chunk], entropy[chunk] if with_entropy
+                               else None, want_hidden or want_weight)
+            if grad is not None:
                 grad = grad.to(hidden.dtype)
                 if want_hidden:
-                    grad_hidden[start:start + chunk_tokens] = grad @ weight
+                    grad_hidden[chunk] = grad @ weight
                 if want_weight:
                     grad_weight += (grad.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return losses
+        ctx.mark_non_differentiable(entropy)
+        return losses, entropy
 
     @staticmethod
-    def backward(ctx, grad_losses):
+    def backward(ctx, grad_losses, grad_entropy):
         grad_hidden, grad_weight = ctx.saved_tensors
         # each position's weight (the loss scale, world size / N) in fp32: rounded to bf16 it is up to 0.4% off
         scale = grad_losses.float()[:, None]
@@ -204,4 +218,32 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                           "for every position; set train.loss_chunk_tokens=0")
             grad_weight = (grad_weight * grad_losses[0]).to(ctx.weight_dtype)
         return (None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
-                grad_weight, None, None, None)
+                grad_weight, None, None, None, None, None)
+
+
+def _chunk_loss(h, weight, y, softcap: float | None, temperature: float, losses: torch.Tensor,
+                entropy: torch.Tensor | None, want_grad: bool) -> torch.Tensor | None:
+    """One chunk of ChunkedLinearCrossEntropy: its losses (and entropies) written in place; returns the gradient
+    of each position's loss with respect to its logits before softcapping (None unless `want_grad`)."""
+    logits = (h @ weight.T).float()  # what the model's head gives, then the fp32 cast the plain loss makes
+    if softcap:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    valid = y != IGNORE_INDEX
+    target = y.clamp(min=0)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    losses.copy_((log_norm - logits.gather(1, target[:, None])[:, 0]) * valid)
+    if entropy is not None:  # H = logsumexp(z) - E_p[z]
+        entropy.copy_(log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+    if not want_grad:
+        return None
+    grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+    grad[torch.arange(len(y), device=y.device), target] -= 1
+    grad *= valid[:, None]
+    if temperature != 1.0:
+        grad /= temperature
+    if softcap:
+        grad *= 1 - capped * capped
+    return grad

@@ -2,8 +2,11 @@
 
 sft  next-token cross-entropy over the target tokens (app/train/loss.py), normalised by the global batch's
      target tokens; evaluation: eval loss and perplexity.
-dpo  Direct Preference Optimization over (chosen, rejected) pairs (app/train/preference.py), normalised by
+dpo  Direct Preference Optimization over (chosen, rejected) pairs (app/train/dpo.py), normalised by
      the global batch's pairs; evaluation: the DPO loss and TRL's reward figures on held-out pairs.
+grpo Group Relative Policy Optimization over sampled, scored answers (app/train/grpo.py, the batches from
+     app/train/rollouts.py), normalised by grpo.loss_type's count; evaluation: the rewards of greedy answers to
+     the eval prompts (app/train/reward_eval.py).
 
 Either way a micro-batch's loss is scaled so that its sum over micro-batches and ranks is the mean over the
 whole global batch: 1 and N workers take the same step.
@@ -14,12 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from app.config.schema import FinetuneConfig
+from app.data.chat import IGNORE_INDEX
 from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pairs, scaled_micro_batch_dpo_loss
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
-from app.train.loss import global_target_tokens, scaled_micro_batch_loss
+from app.train.grpo import METRIC_SUMS, figures_from_sums, metric_sums, normaliser_count, summed_loss, token_terms
+from app.train.loss import global_target_tokens, sampled_token_logps, scaled_micro_batch_loss
 from app.train.ranks import RankContext
+from app.train.reward_eval import evaluate_rewards
+from app.train.rollouts import Scorer
 
 
 class NextToken:
@@ -28,6 +36,8 @@ class NextToken:
     metric_names: tuple[str, ...] = ()
     normaliser_name = "step_target_tokens"
     has_reference = False  # no reference model
+    scores_answers = False  # its evaluation decodes nothing (eval.generation_rows does, in the recipe)
+    eval_table: dict[str, list] | None = None
 
     def __init__(self, cfg: FinetuneConfig):
         self.chunk_tokens = cfg.train.loss_chunk_tokens
@@ -43,7 +53,7 @@ class NextToken:
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return {}
 
-    def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext) -> dict[str, float]:
+    def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
         return eval_metrics(evaluate_loss(model, eval_pass, ctx, self.chunk_tokens))
 
     def prompts(self, batches: Iterable[dict]) -> Iterable[dict]:
@@ -58,6 +68,8 @@ class Preference:
     metric_names = METRICS
     normaliser_name = "step_pairs"
     has_reference = True
+    scores_answers = False
+    eval_table: dict[str, list] | None = None
 
     def __init__(self, cfg: FinetuneConfig):
         self.dpo, self.chunk_tokens = cfg.dpo, cfg.train.loss_chunk_tokens
@@ -72,7 +84,7 @@ class Preference:
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return metrics_from_sums(torch.tensor(sums, dtype=torch.float64), normaliser)
 
-    def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext) -> dict[str, float]:
+    def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
         """The DPO loss (eval_loss) and reward figures (eval_rewards/accuracies, ...) over every held-out pair."""
         def score(batch: dict) -> torch.Tensor:
             _, loss_sum, sums = self.micro_batch_loss(model, batch, torch.ones((), dtype=torch.float64), 1)
@@ -87,5 +99,53 @@ class Preference:
         return ({"input_ids": b["chosen_input_ids"], "labels": b["chosen_labels"]} for b in batches)
 
 
-def objective_for(cfg: FinetuneConfig) -> NextToken | Preference:
+class GroupRelative:
+    """GRPO: the policy pushed toward its better answers of each prompt's group, against the policy that sampled
+    them (and with grpo.beta, the reference: the base with LoRA off, or the frozen starting adapter)."""
+
+    metric_names = METRIC_SUMS
+    scores_answers = True  # its evaluation is greedy answers, scored
+
+    def __init__(self, cfg: FinetuneConfig, scorer: Scorer | None):
+        self.grpo, self.eval_cfg, self.scorer = cfg.grpo, cfg.eval, scorer
+        self.chunk_tokens = cfg.train.loss_chunk_tokens
+        self.has_reference = cfg.grpo.beta > 0
+        self.normaliser_name = "step_completion_tokens" if cfg.grpo.loss_type == "dapo" else "step_completions"
+        self.eval_table: dict[str, list] | None = None
+
+    def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
+        """The global batch's completion tokens (dapo) or answers (grpo, dr_grpo): one all-reduce. At least 1, as
+        TRL's: a batch where no token trains (every answer cut off, with grpo.mask_truncated_completions) is a step
+        of loss 0, not a division by zero."""
+        count = sum(normaliser_count(b["labels"][:, 1:] != IGNORE_INDEX, b["real"], self.grpo.loss_type)
+                    for b in micro_batches).to(torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        return count.clamp(min=1.0)
+
+    def micro_batch_loss(self, model, batch: dict, normaliser: torch.Tensor, world_size: int):
+        grpo = self.grpo
+        logps, entropy = sampled_token_logps(model, batch, self.chunk_tokens, grpo.temperature)
+        on = lambda key: batch[key].to(logps.device)
+        old = on("old_logps") if "old_logps" in batch else logps.detach()  # first step on these answers: r = 1
+        terms = token_terms(logps, old, on("advantages"), grpo.epsilon, grpo.clip_high, grpo.beta,
+                            on("ref_logps") if grpo.beta else None)
+        mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(logps.device)
+        loss_sum = summed_loss(terms[0], mask, grpo.loss_type, grpo.max_completion_tokens)
+        return loss_sum * (world_size / normaliser), loss_sum.detach(), metric_sums(terms, mask, entropy, logps,
+                                                                                    on("sampler_logps"))
+
+    def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
+        return figures_from_sums(sums, self.grpo.beta)
+
+    def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
+        """The rewards (and task metrics) of greedy answers to every eval prompt; the answers' table is kept."""
+        figures, self.eval_table = evaluate_rewards(model, eval_pass, tokenizer, ctx.device, self.scorer, self.grpo,
+                                                    self.eval_cfg)
+        return figures
+
+
+def objective_for(cfg: FinetuneConfig, scorer: Scorer | None = None) -> NextToken | Preference | GroupRelative:
+    if cfg.train.objective == "grpo":
+        return GroupRelative(cfg, scorer)
     return Preference(cfg) if cfg.train.objective == "dpo" else NextToken(cfg)

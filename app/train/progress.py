@@ -34,7 +34,7 @@ class Progress:
             return
         done = step - self.first + 1
         eta = (time.perf_counter() - self.t0) / done * (self.total - step)
-        extra = f" | eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+        extra = "".join(f" | {key} {m[key]:.4f}" for key in ("reward", "eval_loss", "eval_reward") if key in m)
         print(f"step {step}/{self.total} | loss {m['train_loss']:.4f}{extra} | lr {m['learning_rate']:.2e} | "
               f"grad_norm {m['grad_norm']:.3f} | {m['tokens_per_second']:,.0f} tok/s | "
               f"eta {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.__stdout__, flush=True)

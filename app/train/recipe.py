@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from app.config.schema import FinetuneConfig
+from app.data.passes import source_key
 from app.data.stream import RankPass, RankStream
 from app.model.base import load_tokenizer
 from app.model.build import build_training_model
@@ -38,6 +39,7 @@ from app.train.checkpoint import (
     TrainerState,
     gather_trainable_state,
     load_best_adapter,
+    load_stream_state,
     load_training_state,
     save_adapter,
     save_training_state,
@@ -48,6 +50,7 @@ from app.train.objectives import objective_for
 from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.ranks import RankContext, max_over_ranks, on_every_rank
+from app.train.rollouts import Rollouts, RolloutStream, Scorer
 from app.train.task_metrics import row_scores, score
 
 
@@ -96,7 +99,8 @@ class FinetuneRecipe:
                  checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
                  job_start_time: float | None = None, source_names: tuple[str, ...] = (),
                  init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None,
-                 pace: Callable[[int], None] | None = None):
+                 pace: Callable[[int], None] | None = None, rollouts: Rollouts | None = None,
+                 scorer: Scorer | None = None):
         self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.run_dir = checkpoints, run_dir
@@ -106,7 +110,8 @@ class FinetuneRecipe:
         self.startup = startup or StartupClock(self.job_start_time, memory=True)  # the worker's, if it began one
         self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
         self.source_names = source_names if len(source_names) > 1 else ()
-        self.objective = objective_for(cfg)
+        self.objective = objective_for(cfg, scorer)
+        self.rollouts, self.scorer = rollouts, scorer  # GRPO's rollout side and reward scorer
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
         self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
         self.pace = pace  # the resilience tests' slower steps (app/launch/faults.py); None in every real run
@@ -133,15 +138,28 @@ class FinetuneRecipe:
         self.build_model()
         self.startup.reached("model_built")
         restored = (self.checkpoints.restore(lambda d: (load_training_state(d, self.model, self.optimizer,
-                                                                             self.ctx.device), load_best_adapter(d)))
+                                                                             self.ctx.device), load_best_adapter(d),
+                                                         load_stream_state(d)))
                     if self.checkpoints else None)
         if restored is None:
             self.start_fresh()
         else:
-            self.continue_from(*restored)
-        self.batches = RankStream(self.train_pass, self.ctx.device, self.state.pass_index, self.state.rows_into_pass,
-                                  self.ctx.rank, self.ctx.world_size)
+            self.continue_from(*restored[:2])
+        self.batches = self.train_batches()
+        if restored is not None:
+            self.batches.restore(restored[2])
         self.startup.reached("setup_done")  # optimizer, the restore check, step 0's figures logged
+
+    def train_batches(self) -> RankStream | RolloutStream:
+        """This rank's micro-batches from where the run stands: its rows of each pass (SFT, DPO), or with
+        train.objective=grpo answers sampled to its prompts and scored (app/train/rollouts.py)."""
+        ctx = self.ctx
+        rows = RankStream(self.train_pass, ctx.device, self.state.pass_index, self.state.rows_into_pass, ctx.rank,
+                          ctx.world_size)
+        if self.rollouts is None:
+            return rows
+        return RolloutStream(rows, self.rollouts, self.scorer, self.cfg, ctx.rank, self.tokenizer, self.model,
+                             lambda: self.step)
 
     def build_model(self) -> None:
         """`auto` dtypes agreed by every rank, the tokenizer, the FSDP2-sharded LoRA model (its adapter from the
@@ -193,10 +211,11 @@ class FinetuneRecipe:
             if step == first:
                 self.startup.reached("first_step_done")
                 self.time_to_first_step = metrics["time_to_first_step_seconds"] = time.time() - self.job_start_time
-            if step % self.cfg.train.eval_every == 0 or step == last:
-                metrics |= self.evaluate()
+            evaluated = step % self.cfg.train.eval_every == 0 or step == last
+            if evaluated:
+                metrics |= self.evaluate(step)
                 self.stopped_early = self.rank_evaluation(step) and step != last
-            if step % self.cfg.train.log_every == 0 or "eval_loss" in metrics or step == first:
+            if step % self.cfg.train.log_every == 0 or evaluated or step == first:
                 self.tracker.log_metrics(metrics, step)
                 progress.line(step, metrics)
             if self.stopped_early:
@@ -261,13 +280,13 @@ class FinetuneRecipe:
         seconds = time.perf_counter() - t0
         self.meter.add(tokens, seconds, data_wait)
         self.rows_per_source += torch.tensor(source_rows, dtype=torch.float64)
-        shares = {f"data_share/{name}": (rows / self.rows_per_source.sum()).item()
+        shares = {f"data_share/{source_key(name)}": (rows / self.rows_per_source.sum()).item()
                   for name, rows in zip(self.source_names, self.rows_per_source)}
         return {"train_loss": self.train_loss, "learning_rate": learning_rate, "grad_norm": grad_norm,
                 "tokens_per_second": tokens / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
                 "data_wait_seconds": data_wait, "step_tokens": tokens, objective.normaliser_name: normaliser,
                 "workers": ctx.world_size,
-                **objective.step_figures(metric_totals, normaliser), **shares}
+                **objective.step_figures(metric_totals, normaliser), **shares, **self.batches.take_figures(seconds)}
 
     def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
         n = len(self.source_names)
@@ -275,17 +294,21 @@ class FinetuneRecipe:
             return torch.zeros(0, dtype=torch.float64)
         return sum(b["records"].sum(0) for b in micro_batches).double()
 
-    def evaluate(self) -> dict[str, float]:
-        """The objective's eval figures (loss and perplexity, or DPO's loss and rewards); with eval.generation_rows,
-        the task metrics of greedy answers (the generations are kept: the final evaluation's become the sample
-        table)."""
-        cfg = self.cfg
-        figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx)
-        if cfg.eval.generation_rows:
-            self.generations = generation_table(self.model, self.objective.prompts(self.eval_pass()), self.tokenizer,
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """The objective's eval figures (loss and perplexity, DPO's loss and rewards, or GRPO's rewards of greedy
+        answers, whose table is logged at every evaluation); with eval.generation_rows, the task metrics of
+        greedy answers (the generations are kept: the final evaluation's become the sample table)."""
+        cfg, objective = self.cfg, self.objective
+        figures = objective.evaluate(self.model, self.eval_pass, self.ctx, self.tokenizer)
+        if objective.scores_answers:
+            self.generations = objective.eval_table
+            self.tracker.log_table(self.generations | {"step": [step] * len(self.generations["prompt"])},
+                                   "eval/completions.json")
+        elif cfg.eval.generation_rows:
+            self.generations = generation_table(self.model, objective.prompts(self.eval_pass()), self.tokenizer,
                                                 cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
             figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
-        self.eval_loss, self.eval_figures = figures["eval_loss"], figures
+        self.eval_loss, self.eval_figures = figures.get("eval_loss"), figures
         return figures
 
     def rank_evaluation(self, step: int) -> bool:
@@ -302,6 +325,8 @@ class FinetuneRecipe:
         cfg, count = self.cfg, self.cfg.train.sample_prompts
         if not count:
             return None
+        if self.objective.scores_answers:  # every eval prompt was answered and scored
+            return {column: values[:count] for column, values in self.generations.items()}
         if cfg.eval.generation_rows >= count:
             table = {column: values[:count] for column, values in self.generations.items()}
             return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
@@ -314,8 +339,8 @@ class FinetuneRecipe:
         position = TrainerState(step, self.batches.pass_index, self.batches.rows_into_pass, self.scheduler.state_dict(),
                                 self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early)
         t_save = time.perf_counter()
-        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position,
-                                                            self.ctx.device, self.best_adapter),
+        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position, self.ctx.device,
+                                                            self.best_adapter, self.batches.state()),
                               {"step": step, "train_loss": self.train_loss, **(summary or {})})
         self.save_seconds = time.perf_counter() - t_save
         self.tracker.log_metrics({"checkpoint_save_seconds": self.save_seconds}, step)
@@ -325,8 +350,8 @@ class FinetuneRecipe:
         checkpoint), then rank 0 writes the adapter to the run directory and only then uploads: a slow
         tracking server never holds other ranks in a collective."""
         cfg, ctx = self.cfg, self.ctx
-        if self.eval_loss is None:  # resumed from the final checkpoint: nothing trained in this attempt
-            self.evaluate()
+        if not self.eval_figures:  # resumed from the final checkpoint: nothing trained in this attempt
+            self.evaluate(self.step)
         samples = self.sample_table()  # every rank decodes in lockstep
         last_weights = gather_trainable_state(self.model)
         adapter_state = self.best_adapter if cfg.train.export == "best" and self.best_adapter else last_weights

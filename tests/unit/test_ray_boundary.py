@@ -13,6 +13,7 @@ RAY_MODULES = {
     "app.launch.cluster",  # ray.init, the cluster's resources
     "app.launch.data_build",  # Ray Data, the pass coordinator actor
     "app.launch.trainer",  # the TorchTrainer
+    "app.launch.rollout_group",  # GRPO's rollout actors and reward tasks
     "app.launch.rank",  # Ray Train's context, checkpoints and preemption notices inside a worker
     "app.launch.recording",  # the Ray job id, for the MLflow run's tags
     "app.launch.console",  # quiets Ray's own loggers

@@ -69,7 +69,12 @@ def test_the_rayjob_runs_a_valid_config_that_fits_its_cluster_and_logs_to_the_ml
     service = DOCS[("Service", "mlflow")]["spec"]
     assert uri.hostname == "mlflow" and uri.port == service["ports"][0]["port"]
     env = yaml.safe_load(job["runtimeEnvYAML"])
-    assert env["env_vars"]["HF_TOKEN"] == "${HF_TOKEN}"  # expanded on the node, never in the job spec
+    # KubeRay's submitter runs `ray job submit` through `bash -c` with the runtime env in double quotes: a
+    # "${HF_TOKEN}" there is expanded by bash in the submitter (to nothing) and overrides every node's token
+    assert "HF_TOKEN" not in (env.get("env_vars") or {}) and "${" not in job["runtimeEnvYAML"]
+    for template in ray_templates(job["rayClusterSpec"]):  # the job's processes inherit it from the Secret
+        hf = {e["name"]: e for e in containers(template)[0]["env"]}["HF_TOKEN"]
+        assert hf["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
 
 
 def test_the_mlflow_server_logs_users_in_and_keeps_its_secrets_out_of_argv():
@@ -100,6 +105,22 @@ def pod_specs(node) -> list[dict]:
         for value in node:
             found += pod_specs(value)
     return found
+
+
+def test_the_autoscaler_alone_gets_a_service_account_token():
+    """KubeRay puts the autoscaler in the head pod, which mounts no token (job code runs there): the autoscaler,
+    which scales the worker groups through the Kubernetes API, reads a projected token mounted in its container
+    only, at the path it reads (else it can never scale, and the spot group at 0 replicas never starts)."""
+    for spec in RAY_CLUSTER_SPECS.values():
+        if not spec.get("enableInTreeAutoscaling"):
+            continue
+        head = spec["headGroupSpec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in head["volumes"]}
+        [mount] = spec["autoscalerOptions"]["volumeMounts"]
+        assert mount["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" and mount["readOnly"]
+        sources = volumes[mount["name"]]["projected"]["sources"]
+        assert {next(iter(s)) for s in sources} == {"serviceAccountToken", "configMap", "downwardAPI"}
+        assert all(m["name"] != mount["name"] for c in head["containers"] for m in c.get("volumeMounts", []))
 
 
 def test_every_pod_runs_unprivileged_with_no_service_account_token():

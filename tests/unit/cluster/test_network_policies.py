@@ -93,3 +93,65 @@ def test_mlflow_admits_ray_pods_and_clients_and_postgres_admits_only_mlflow():
     assert postgres == {"app": "mlflow-postgres"}
 
 
+
+
+def reachable(labels: dict, port: int, peer: dict) -> bool:
+    """Whether a pod with these labels may open a TCP connection to `peer` (labels of a pod in the namespace, or
+    {"address": ip} beyond it) on `port`, by the egress NetworkPolicies that select it (none: denied, as the
+    default-deny-egress policy makes every pod's)."""
+    import ipaddress
+
+    for spec in POLICIES.values():
+        if "Egress" not in spec.get("policyTypes", []) or not selects(spec["podSelector"], labels):
+            continue
+        for rule in spec.get("egress") or []:
+            if rule.get("ports") and not any(p["port"] == port for p in rule["ports"]):
+                continue
+            for to in rule.get("to") or []:
+                if "address" in peer and "ipBlock" in to:
+                    address = ipaddress.ip_address(peer["address"])
+                    inside = address in ipaddress.ip_network(to["ipBlock"]["cidr"])
+                    if inside and not any(address in ipaddress.ip_network(c) for c in to["ipBlock"].get("except", [])):
+                        return True
+                if "address" not in peer and set(to) == {"podSelector"} and selects(to["podSelector"], peer):
+                    return True
+    return False
+
+
+def test_egress_is_denied_by_default_and_open_to_dns_only_for_every_pod():
+    deny = [name for name, spec in POLICIES.items()
+            if spec["podSelector"] == {} and spec["policyTypes"] == ["Egress"] and not spec.get("egress")]
+    assert deny, "no default-deny egress NetworkPolicy (podSelector: {}, policyTypes: [Egress], no egress rule)"
+    dns = POLICIES["allow-dns"]["egress"]
+    assert [p["port"] for rule in dns for p in rule["ports"]] == [53, 53]
+    assert dns[0]["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+
+
+@pytest.mark.parametrize("where", [w for w, _, _ in POD_TEMPLATES])
+def test_no_pod_reaches_the_cloud_metadata_address_or_the_internet_beyond_https(where):
+    template = next(t for w, t, _ in POD_TEMPLATES if w == where)
+    labels = labels_of(template)
+    for port in (80, 443, 8080):
+        assert not reachable(labels, port, {"address": "169.254.169.254"}), f"{where}: the metadata service"
+    assert not reachable(labels, 22, {"address": "93.184.216.34"}) and not reachable(labels, 80, {"address": "1.1.1.1"})
+
+
+@pytest.mark.parametrize("name", RAY_CRS)
+def test_ray_pods_reach_their_cluster_mlflow_and_https_storage_and_nothing_else(name):
+    for template in ray_templates(RAY_CRS[name]):
+        labels = labels_of(template)
+        for port in (6379, 23456, 8265):
+            assert reachable(labels, port, {CLUSTER_LABEL: name})
+            assert not reachable(labels, port, {CLUSTER_LABEL: "another-cluster"})
+        assert reachable(labels, 5000, {"app": "mlflow"}) and not reachable(labels, 5432, {"app": "mlflow-postgres"})
+        assert reachable(labels, 443, {"address": "52.216.1.1"})  # object storage, the hub: the documented rule
+
+
+def test_mlflow_reaches_postgres_and_its_artifact_store_and_clients_reach_only_their_services():
+    assert reachable({"app": "mlflow"}, 5432, {"app": "mlflow-postgres"})
+    assert reachable({"app": "mlflow"}, 443, {"address": "52.216.1.1"})
+    assert not reachable({"app": "mlflow-postgres"}, 443, {"address": "52.216.1.1"})
+    assert reachable({"app": "mlflow-bootstrap"}, 5000, {"app": "mlflow"})
+    assert reachable(CLIENT_LABEL, 8265, {CLUSTER_LABEL: "lora-finetune"})
+    assert not reachable(CLIENT_LABEL, 6379, {CLUSTER_LABEL: "lora-finetune"})
+    assert not reachable(CLIENT_LABEL, 443, {"address": "52.216.1.1"})

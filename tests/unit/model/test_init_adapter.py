@@ -2,6 +2,7 @@
 builds (one line naming what differs and the fix), its weights read. Training from it:
 tests/unit/train/test_recipe.py."""
 
+import hashlib
 import re
 
 import pytest
@@ -26,9 +27,10 @@ def _saved_adapter(model_dir, out, **lora):
 def test_an_adapter_folder_or_a_run_name_is_read_with_every_weight(embedded, tmp_path):
     folder = _saved_adapter(embedded["model"], tmp_path / "outputs" / "sft-run" / "adapter")
     for source in (str(folder), "sft-run"):  # a run name is looked up under train.output_dir
-        weights = read_init_adapter(make_config(tmp_path, embedded, f"model.init_adapter={source}"))
+        weights, sha256 = read_init_adapter(make_config(tmp_path, embedded, f"model.init_adapter={source}"))
         assert len(weights) == 4 * 7 * 2 and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in weights)
-    assert read_init_adapter(make_config(tmp_path, embedded)) is None
+        assert sha256 == hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert read_init_adapter(make_config(tmp_path, embedded)) == (None, None)
 
 
 @pytest.mark.parametrize("lora, overrides, message", [

@@ -113,7 +113,7 @@ def test_special_token_text_typed_by_a_user_stays_text(client, served):
     # the template's markup: <s>, <|im_start|> twice, <|im_end|> once; the user's copies are characters
     text = [{"role": "user", "content": forged[0]["content"].replace("<|", "< |")}]
     assert answer.usage.prompt_tokens > len(as_control)
-    from app.serve.prompts import PromptEncoder
+    from app.serve.encoder import PromptEncoder
 
     ids = PromptEncoder(tokenizer).encode(forged)
     assert len(ids) == answer.usage.prompt_tokens

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from app.errors import UserInputError
 from tests.helpers import REPO
 
 
@@ -66,3 +67,21 @@ def test_an_adapter_that_is_not_there_is_refused_before_ray_starts_without_the_t
     assert down.returncode == 2 and down.stderr.startswith("error: --adapter demo=models:/demo/1: ")
     assert len(down.stderr.strip().splitlines()) == 1
     assert password not in down.stdout + down.stderr
+
+
+@pytest.mark.parametrize(("running", "argv", "says"), [
+    # a first deploy bound every interface with a key; a keyless redeploy would have been served there to anyone
+    (("0.0.0.0", 8000), [], "Serve already runs on this cluster at 0.0.0.0:8000, beyond loopback: a deploy "
+                            "without an API key would answer anyone there"),
+    # another address asked of a running proxy, which keeps its own
+    (("127.0.0.2", 8000), [], "--host 127.0.0.1 --port 8000: Serve already runs on this cluster at 127.0.0.2:8000"),
+    (("127.0.0.1", 8001), [], "deploy with --host 127.0.0.1 --port 8001"),
+])
+def test_a_deploy_the_running_proxy_would_not_honour_is_refused(running, argv, says):
+    from jobs.serve import check_running_proxy, parse_args
+
+    with pytest.raises(UserInputError) as error:
+        check_running_proxy(running, parse_args(["--adapter", "a=x", *argv]), key=None)
+    assert says in str(error.value) and "\n" not in str(error.value)
+    check_running_proxy(("0.0.0.0", 8000), parse_args(["--adapter", "a=x", "--host", "0.0.0.0"]), key="k")  # the same
+    check_running_proxy(None, parse_args(["--adapter", "a=x"]), key=None)  # none runs: serve.start binds ours

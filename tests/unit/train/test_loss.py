@@ -138,7 +138,7 @@ def test_the_chunked_loss_applies_the_loss_scale_in_fp32_not_rounded_to_bf16():
     grads = []
     for factor in (1.0, scale):
         h = hidden.clone().requires_grad_()
-        (ChunkedLinearCrossEntropy.apply(h, weight, labels, 64, None).sum() * factor).backward()
+        (ChunkedLinearCrossEntropy.apply(h, weight, labels, 64, None)[0].sum() * factor).backward()
         grads.append(h.grad.double())
     unscaled, scaled = grads
     kept = unscaled != 0

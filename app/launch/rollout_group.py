@@ -1,0 +1,109 @@
+"""GRPO's rollout side on Ray: actors that sample answers, apart from the training workers, and reward scoring as
+Ray tasks beside them.
+
+The driver starts `grpo.rollout_workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
+each holding the frozen base once and the policy's adapter (app/train/sampling.py). After each optimizer step
+the training ranks gather the adapter's full weights from their FSDP2 shards, rank 0 puts them in the object
+store once and every actor swaps them in: a few MB, never the base. Rank r samples with actor r (modulo the
+group). An engine that hot-loads LoRA adapters (vLLM) can take the actors' place behind the same two calls,
+`load` and `sample` (app/train/rollouts.py's Rollouts); this one is transformers' batched `generate`, which runs
+wherever the trainer does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from app.config.schema import FinetuneConfig
+from app.train import rewards
+from app.train.sampling import Completion, build_sampler
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1)
+class RolloutActor:
+    """One rollout worker: a Sampler on its own device (the name in the Ray dashboard's actor list). Ray restarts
+    one that dies (a lost node); it then holds the starting adapter again, which `sample` tells its caller, who
+    sends the current one."""
+
+    def __init__(self, cfg: FinetuneConfig):
+        torch.set_num_threads(max(1, int(cfg.grpo.rollout_cpus)))
+        device = "cuda" if cfg.grpo.rollout_gpus and torch.cuda.is_available() else "cpu"
+        self.grpo, self.sampler = cfg.grpo, build_sampler(cfg, device)  # its adapter: the trainer's, at each sync
+
+    def load(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        self.sampler.load_adapter(weights, version)
+        return version
+
+    def sample(self, prompts: list[list[int]], seed: int, version: int) -> list[Completion] | None:
+        """The answers, sampled with the adapter of step `version`; None if this actor holds another one."""
+        if self.sampler.version != version:
+            return None
+        return self.sampler.sample(prompts, self.grpo, seed)
+
+
+def start_rollout_group(cfg: FinetuneConfig) -> list:
+    """The rollout actors, each reserving grpo.rollout_cpus CPUs and grpo.rollout_gpus GPUs; returned once every
+    one holds its model (a failure to build one is raised here, before the worker group starts). They sample
+    nothing before the trainer's first sync, which sends the adapter the run starts from (model.init_adapter's,
+    or a checkpoint's)."""
+    grpo = cfg.grpo
+    actors = [RolloutActor.options(num_cpus=grpo.rollout_cpus, num_gpus=grpo.rollout_gpus).remote(cfg)
+              for _ in range(grpo.rollout_workers)]
+    ray.get([actor.__ray_ready__.remote() for actor in actors])
+    return actors
+
+
+class RayRollouts:
+    """Rollouts (app/train/rollouts.py) over the rollout actors, as one training rank sees them."""
+
+    def __init__(self, actors: list, rank: int):
+        self.actors, self.rank = actors, rank
+        self.actor = actors[rank % len(actors)]
+        self.weights, self.version = None, -1  # the adapter the actors hold: its object in the store, its step
+
+    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Rank 0 sends the weights (one object in the store, read by every actor) and hands every rank its
+        reference (to send again to an actor that restarted); every rank waits until all actors hold them."""
+        shared = [ray.put(weights) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        self.weights, self.version = shared[0], version
+        if self.rank == 0:
+            ray.get([actor.load.remote(self.weights, version) for actor in self.actors])
+        if dist.is_initialized():
+            dist.barrier()
+
+    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        answers = ray.get(self.actor.sample.remote(prompts, seed, self.version))
+        if answers is None:  # the actor restarted since the last sync: it gets the current adapter again
+            ray.get(self.actor.load.remote(self.weights, self.version))
+            answers = ray.get(self.actor.sample.remote(prompts, seed, self.version))
+        return answers
+
+
+@ray.remote(num_cpus=1)
+def _score_task(specs: list[str], prompts: list, completions: list, completion_ids: list, columns: dict,
+                first: int) -> np.ndarray:
+    return rewards.score(specs, prompts, completions, completion_ids, columns, first)
+
+
+def ray_scorer(specs: list[str], tasks: int):
+    """A Scorer that splits a batch of answers over `tasks` Ray tasks (grpo.reward_workers): slow reward functions
+    run side by side, beside the training workers."""
+    def score(prompts: list, completions: list, completion_ids: list, columns: dict, first: int) -> np.ndarray:
+        bounds = np.linspace(0, len(prompts), min(tasks, len(prompts)) + 1).astype(int)
+        parts = [_score_task.remote(specs, prompts[a:b], completions[a:b], completion_ids[a:b],
+                                    {k: v[a:b] for k, v in columns.items()}, first + a)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        return np.concatenate(ray.get(parts), axis=0)
+    return score
+
+
+def local_scorer(specs: list[str]):
+    """A Scorer that calls the reward functions in the training worker itself."""
+    return functools.partial(rewards.score, specs)

@@ -1,0 +1,253 @@
+"""The batches of a GRPO step: this rank's prompts, answers sampled by the rollout side, scored by the reward
+functions, their advantages, as micro-batches of the trainer's rows.
+
+At the first micro-batch of a step with no rollouts left, the stream gathers the adapter's full weights from the
+FSDP2 shards (a collective: every rank is at the same step) and hands them to the rollout side, which swaps them
+in (only the LoRA weights travel: a few MB, never the base); then it takes its next prompts, has `num_generations`
+answers sampled to each (seeded by the run's seed, the step and the rank, so a resumed run samples the same),
+scores them, and builds `global_batch_size / workers` rows of prompt + answer, the answer's tokens the labels.
+With grpo.num_iterations > 1 the log-probabilities of the policy that sampled them are computed once, before
+any update, and the rows serve that many optimizer steps; with grpo.beta the reference's are computed too.
+
+Plain torch and Python: the rollout side (`Rollouts`) and the scorer are given: Ray actors and tasks in a job
+(app/launch/rollout_group.py), a Sampler in this process in the unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from app.config.grpo import reward_name
+from app.data.chat import IGNORE_INDEX, pad_id
+from app.data.stream import RankStream
+from app.train.checkpoint import gather_trainable_state
+from app.train.dpo import reference_switch
+from app.train.grpo import group_advantages
+from app.train.loss import sampled_token_logps
+from app.train.rewards import combined
+from app.train.sampling import Completion, Sampler
+
+# prompts, completions, completion ids, the records' other columns, the first answer's number -> [answers, functions]
+Scorer = Callable[[list, list, list[list[int]], dict[str, list], int], np.ndarray]
+NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # what TRL does not pass on as a reward's column
+
+
+class Rollouts(Protocol):
+    """The rollout side: holds the policy's adapter, samples answers with it."""
+
+    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in the adapter's weights of optimizer step `version`. Called by every rank with the same weights;
+        it returns once the rollout side holds them for every rank's next sample."""
+
+    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        """num_generations answers to each prompt, those of a prompt consecutive."""
+
+
+class LocalRollouts:
+    """A Sampler in the trainer's process, one per rank (the unit tests; what a rollout actor wraps in a job)."""
+
+    def __init__(self, sampler: Sampler, grpo):
+        self.sampler, self.grpo = sampler, grpo
+
+    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.sampler.load_adapter(weights, version)
+
+    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        return self.sampler.sample(prompts, self.grpo, seed)
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's rollouts after `step` optimizer steps: the same in every attempt of the run."""
+    return ((seed * 1_000_003 + step) * 1_009 + rank) % 2**31
+
+
+def as_answers(texts: list[str], records: list[dict]) -> list:
+    """What a reward function gets as `completions`: the text for a plain prompt, an assistant message for a
+    conversational one (TRL's shapes)."""
+    return [[{"role": "assistant", "content": text}] if isinstance(record.get("prompt"), list) else text
+            for text, record in zip(texts, records)]
+
+
+def reward_columns(records: list[dict]) -> dict[str, list]:
+    """Every field of the records but the prompt, as lists (one entry per answer)."""
+    names = [name for name in records[0] if name not in NOT_COLUMNS] if records else []
+    return {name: [record.get(name) for record in records] for name in names}
+
+
+class RolloutStream:
+    """Micro-batches of scored answers for the recipe's steps (an iterator, as the SFT stream is). `step_of()`
+    says how many optimizer steps the run has taken."""
+
+    def __init__(self, prompts: RankStream, rollouts: Rollouts, scorer: Scorer, cfg, rank: int, tokenizer, model,
+                 step_of: Callable[[], int]):
+        self.prompts, self.rollouts, self.scorer, self.cfg = prompts, rollouts, scorer, cfg
+        self.rank, self.tokenizer, self.model, self.step_of = rank, tokenizer, model, step_of
+        self.device = prompts.device
+        self.buffer: list[dict] = []  # micro-batches still to train, in order (num_iterations times each)
+        self.synced_step: int | None = None  # the step whose adapter the rollout side holds (None: not yet sent)
+        self.figures: dict[str, float] = {}  # the last batch of rollouts', for the step that made it
+
+    @property
+    def pass_index(self) -> int:
+        return self.prompts.pass_index
+
+    @property
+    def rows_into_pass(self) -> int:
+        return self.prompts.rows_into_pass
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        if not self.buffer:
+            self.refill()
+        return {k: v.to(self.device, non_blocking=True) for k, v in self.buffer.pop(0).items()}
+
+    def take_figures(self, step_seconds: float) -> dict[str, float]:
+        """The last batch of rollouts' figures (once), with the share of the step that made it spent syncing,
+        generating and scoring (the rest: preparing and training)."""
+        figures, self.figures = self.figures, {}
+        return figures | {f"rollout/{part}_share": figures[f"rollout/{part}_seconds"] / step_seconds
+                          for part in ("sync", "generate", "score") if figures and step_seconds > 0}
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of this rank's stream: the rollouts still to train (num_iterations > 1)."""
+        return {"buffer": self.buffer}
+
+    def restore(self, state: dict) -> None:
+        self.buffer = list(state.get("buffer", []))
+
+    def refill(self) -> None:
+        """The next batch of rollouts: the adapter synced, answers sampled and scored, rows built."""
+        step, grpo = self.step_of(), self.cfg.grpo
+        started = time.perf_counter()
+        sync_bytes = self.sync(step)
+        synced = time.perf_counter()
+        batch = next(self.prompts)
+        prompts = [ids[:n].tolist() for ids, n in zip(batch["prompt_input_ids"], batch["prompt_length"].tolist())]
+        completions = self.rollouts.sample(prompts, sampling_seed(self.cfg.train.seed, step, self.rank))
+        sampled = time.perf_counter()
+        records = [record for record in (json.loads(r) for r in batch["record"]) for _ in range(grpo.num_generations)]
+        per_function = self.score(records, completions)
+        scored = time.perf_counter()
+        real = torch.as_tensor(batch["is_prompt"]).repeat_interleave(grpo.num_generations).bool()
+        stats = reward_statistics(per_function, combined(per_function, grpo.weights), completions, real, grpo)
+        rewards = torch.as_tensor(combined(per_function, grpo.weights), dtype=torch.float64)
+        advantages, zero_std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards,
+                                                torch.tensor(stats["reward_std"], dtype=torch.float64))
+        sources = torch.as_tensor(batch["records"]).repeat_interleave(grpo.num_generations, 0) \
+            if "records" in batch else None  # each answer counts for its prompt's source (data_share/<name>)
+        micro_batches = self.micro_batches(prompts, completions, advantages.float(), real, sources)
+        self.buffer = [mb for _ in range(grpo.num_iterations) for mb in micro_batches]
+        self.figures = stats | {"frac_reward_zero_std": frac_over_ranks(zero_std[real], real.sum())} | {
+            "rollout/sync_bytes": sync_bytes, "rollout/sync_seconds": synced - started,
+            "rollout/generate_seconds": sampled - synced, "rollout/score_seconds": scored - sampled,
+            "rollout/prepare_seconds": time.perf_counter() - scored}
+
+    def sync(self, step: int) -> float:
+        """The adapter of `step` to the rollout side, if it does not hold it yet; the bytes sent."""
+        if self.synced_step == step:
+            return 0.0
+        weights = gather_trainable_state(self.model)  # a collective: every rank is here at the same step
+        self.rollouts.sync(weights, step)
+        self.synced_step = step
+        return float(sum(t.numel() * t.element_size() for t in weights.values()))
+
+    def score(self, records: list[dict], completions: list[Completion]) -> np.ndarray:
+        texts = self.tokenizer.batch_decode([c.ids for c in completions], skip_special_tokens=True)
+        return self.scorer([r["prompt"] for r in records], as_answers(texts, records), [c.ids for c in completions],
+                           reward_columns(records), 0)
+
+    def micro_batches(self, prompts: list[list[int]], completions: list[Completion], advantages: torch.Tensor,
+                      real: torch.Tensor, sources: torch.Tensor | None = None) -> list[dict]:
+        """The rows of prompt + answer in micro-batches of train.micro_batch_size, each as wide as its longest
+        row: labels on the answer's tokens (none for a stand-in prompt, or a truncated answer with
+        grpo.mask_truncated_completions), the sampler's log-probabilities, the advantage; the policy's and the
+        reference's log-probabilities where the loss needs them (grpo.num_iterations > 1, grpo.beta)."""
+        grpo, size = self.cfg.grpo, self.cfg.train.micro_batch_size
+        answered = [(prompts[i // grpo.num_generations], c) for i, c in enumerate(completions)]
+        batches = []
+        for start in range(0, len(answered), size):
+            rows = answered[start:start + size]
+            trains = [bool(r) and not (grpo.mask_truncated_completions and c.truncated)
+                      for r, (_, c) in zip(real[start:start + size].tolist(), rows)]
+            batch = completion_rows(rows, trains, pad_id(self.tokenizer))
+            batch |= {"advantages": advantages[start:start + size], "real": real[start:start + size].float()}
+            if sources is not None:
+                batch["records"] = sources[start:start + size]
+            batches.append(self.with_logps(batch))
+        return batches
+
+    @torch.no_grad()
+    def with_logps(self, batch: dict) -> dict:
+        """The old policy's (num_iterations > 1) and the reference's (beta > 0) log-probabilities of the answer's
+        tokens, computed by the trainer's model before any update (a collective forward, as every rank does)."""
+        grpo, chunk = self.cfg.grpo, self.cfg.train.loss_chunk_tokens
+        device = next(self.model.parameters()).device
+        inputs = {k: batch[k].to(device) for k in ("input_ids", "labels")}
+        if grpo.num_iterations > 1:
+            batch["old_logps"] = sampled_token_logps(self.model, inputs, chunk, grpo.temperature)[0].cpu()
+        if grpo.beta:
+            with reference_switch(self.model):
+                batch["ref_logps"] = sampled_token_logps(self.model, inputs, chunk, grpo.temperature)[0].cpu()
+        return batch
+
+
+def completion_rows(rows: list[tuple[list[int], Completion]], trains: list[bool], pad: int) -> dict:
+    """input_ids (prompt + answer, right-padded), labels (the answer's tokens where the row trains), the sampler's
+    log-probabilities aligned with labels[:, 1:], and each row's real tokens (`length`)."""
+    width = max(len(prompt) + len(c.ids) for prompt, c in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    logps = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, ((prompt, completion), trains_row) in enumerate(zip(rows, trains)):
+        end = len(prompt) + len(completion.ids)
+        ids[i, :end] = torch.tensor(prompt + completion.ids)
+        if trains_row:
+            labels[i, len(prompt):end] = torch.tensor(completion.ids)
+        logps[i, len(prompt) - 1:end - 1] = torch.tensor(completion.logps)
+    length = torch.tensor([len(prompt) + len(c.ids) for prompt, c in rows])
+    return {"input_ids": ids, "labels": labels, "sampler_logps": logps, "length": length}
+
+
+def reward_statistics(per_function: np.ndarray, rewards: np.ndarray, completions: list[Completion],
+                      real: torch.Tensor, grpo) -> dict[str, float]:
+    """TRL's figures of a batch of rollouts over every rank's answers: reward and reward_std, each function's
+    rewards/<name>/mean and /std (NaN ones left out), completions/mean_length and /clipped_ratio. One all-reduce
+    of sums (a std from the sum of squares, Bessel-corrected as TRL's)."""
+    keep = real.numpy()
+    columns = [rewards] + [per_function[:, i] for i in range(per_function.shape[1])]
+    sums = []
+    for values in columns:
+        valid = values[keep & ~np.isnan(values)]
+        sums += [valid.sum(), (valid ** 2).sum(), len(valid)]
+    lengths = np.array([len(c.ids) for c in completions])[keep]
+    clipped = np.array([c.truncated for c in completions])[keep]
+    sums += [lengths.sum(), clipped.sum(), keep.sum()]
+    totals = torch.tensor(sums, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    *moments, length_sum, clipped_sum, answers = totals.tolist()
+    names = ["reward"] + [f"rewards/{reward_name(spec)}" for spec in grpo.reward_funcs]
+    figures = {}
+    for name, (total, squares, count) in zip(names, (moments[i:i + 3] for i in range(0, len(moments), 3))):
+        mean = total / count if count else float("nan")
+        std = ((squares - count * mean ** 2) / (count - 1)) ** 0.5 if count > 1 else float("nan")
+        figures |= {name: mean, f"{name}_std": std} if name == "reward" else {f"{name}/mean": mean, f"{name}/std": std}
+    return figures | {"completions/mean_length": length_sum / max(answers, 1),
+                      "completions/clipped_ratio": clipped_sum / max(answers, 1)}
+
+
+def frac_over_ranks(flags: torch.Tensor, count: torch.Tensor) -> float:
+    """The share of true flags over every rank's."""
+    totals = torch.tensor([flags.sum().item(), float(count)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return totals[0].item() / max(totals[1].item(), 1.0)

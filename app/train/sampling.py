@@ -1,0 +1,99 @@
+"""Answers sampled from the current policy for online RL: the frozen base once, the LoRA adapter swapped in after
+each optimizer step (only its weights travel: app/train/rollouts.py), transformers' batched `generate`.
+
+A `Sampler` is what a rollout actor holds (app/launch/rollout_group.py), and what the unit tests drive in the
+trainer's own process. Each call is seeded by its caller, so a resumed run samples the very answers an
+uninterrupted run would. With each answer come the log-probabilities of its tokens under the policy that
+sampled it (the logits divided by the temperature, as the loss takes them), which the trainer's own
+log-probabilities of the same tokens must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from app.data.chat import pad_id
+from app.model.adapter import load_adapter_weights
+from app.model.base import load_tokenizer
+from app.model.build import build_lora_model
+from app.model.hardware import has_fast_bf16, with_dtypes_resolved
+from app.train.generation import end_token_ids
+
+if TYPE_CHECKING:
+    from app.config.grpo import GrpoSection
+    from app.config.schema import FinetuneConfig
+
+
+@dataclass
+class Completion:
+    """One sampled answer: its tokens (up to and with the first end token), their log-probabilities, and
+    whether it was cut off at the token limit before any end token."""
+
+    ids: list[int]
+    logps: list[float]
+    truncated: bool
+
+
+class Sampler:
+    def __init__(self, model: nn.Module, end_ids: list[int], pad_id: int, device: torch.device | str = "cpu"):
+        self.model, self.end_ids, self.pad_id, self.device = model.eval(), list(end_ids), pad_id, torch.device(device)
+        self.names = {name for name, param in model.named_parameters() if param.requires_grad}
+        for param in model.parameters():
+            param.requires_grad_(False)
+        self.version = -1  # the optimizer step whose adapter it holds (-1: the starting one)
+
+    @torch.no_grad()
+    def load_adapter(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """The trained adapter's weights, by parameter name (the trainer's FSDP2 model and this one are the same
+        PEFT model, so the names are the same): every LoRA weight, or none."""
+        if set(weights) != self.names:
+            missing = sorted(self.names - set(weights)) or sorted(set(weights) - self.names)
+            raise ValueError(f"the adapter sent to the sampler does not match its model (first: {missing[0]})")
+        parameters = dict(self.model.named_parameters())
+        for name, value in weights.items():
+            parameters[name].copy_(value.to(parameters[name].dtype))
+        self.version = version
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:
+        """grpo.num_generations answers to each prompt (those of one prompt consecutive), sampled in one batch as
+        the grpo section says (temperature, top_p, top_k, max_completion_tokens)."""
+        rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+        torch.manual_seed(seed)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
+                                  temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k,
+                                  max_new_tokens=grpo.max_completion_tokens, eos_token_id=self.end_ids,
+                                  pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, width:].cpu()
+        # the logits before top_p/top_k, over the temperature: the policy's log-probabilities, as the trainer's (TRL's)
+        logits = torch.stack(out.logits, dim=1).float().cpu() / grpo.temperature  # [rows, new tokens, vocabulary]
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
+        return [self._completion(row, row_logps) for row, row_logps in zip(new, logps)]
+
+    def _completion(self, tokens: torch.Tensor, logps: torch.Tensor) -> Completion:
+        ended = torch.isin(tokens, torch.tensor(self.end_ids)).nonzero()
+        length = int(ended[0, 0]) + 1 if len(ended) else len(tokens)
+        return Completion(tokens[:length].tolist(), logps[:length].tolist(), truncated=not len(ended))
+
+
+def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
+                  init_adapter: dict[str, torch.Tensor] | None = None) -> Sampler:
+    """The policy as a sampler: the whole base on `device` (its `auto` dtype resolved for that device), the LoRA
+    adapter from the seed or from model.init_adapter's weights, until the trainer sends its own."""
+    device = torch.device(device)
+    cfg = with_dtypes_resolved(cfg, has_fast_bf16(device))
+    model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": False})
+    model = build_lora_model(model_cfg, cfg.lora, cfg.train.seed, device)
+    if init_adapter is not None:
+        load_adapter_weights(model, init_adapter)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+    return Sampler(model, end_token_ids(model, tokenizer), pad_id(tokenizer), device)

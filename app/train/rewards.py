@@ -36,6 +36,14 @@ class RewardError(UserInputError):
     the function (and the record)."""
 
 
+def in_working_directory(path: Path) -> Path:
+    """A relative reward file where a job's process finds it: here, or in the job's uploaded working directory,
+    which Ray puts on every worker's sys.path (Ray Train's workers run in a storage folder of their own)."""
+    if path.is_absolute() or path.is_file():
+        return path
+    return next((Path(entry) / path for entry in sys.path if entry and (Path(entry) / path).is_file()), path)
+
+
 @functools.cache
 def load_reward_function(spec: str) -> RewardFn:
     """The function a `file.py:name` or `module:name` spec names (imported once per process)."""
@@ -43,7 +51,7 @@ def load_reward_function(spec: str) -> RewardFn:
     key = f"grpo.reward_funcs: {spec}"
     try:
         if where.endswith(".py"):
-            path = Path(where)
+            path = in_working_directory(Path(where))
             if not path.is_file():
                 raise RewardError(f"{key}: no such file {path} (a path absolute or relative to the job's working "
                                   "directory)")

@@ -143,6 +143,21 @@ def test_a_reward_function_that_fails_is_named_in_one_line(tmp_path, body, name,
     assert "\n" not in str(error.value)
 
 
+def test_a_relative_reward_file_is_found_in_the_jobs_working_directory_from_another_folder(tmp_path, monkeypatch):
+    """Under `ray job submit` a relative spec stays relative, and Ray Train runs its workers in a storage folder
+    of their own: the file is found in the uploaded working directory, which Ray puts on sys.path."""
+    upload = tmp_path / "upload"
+    (upload / "rl").mkdir(parents=True)
+    (upload / "rl" / "score.py").write_text("def one(completions, **kw):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "storage").mkdir()
+    monkeypatch.chdir(tmp_path / "storage")
+    monkeypatch.syspath_prepend(str(upload))
+    load_reward_function.cache_clear()
+    assert call_reward("rl/score.py:one", ["p"], ["a"], [[1]], {}) == [1.0]
+    with pytest.raises(RewardError, match="no such file rl/none.py"):
+        call_reward("rl/none.py:one", ["p"], ["a"], [[1]], {})
+
+
 def test_none_means_does_not_apply_and_counts_zero_in_the_weighted_sum(tmp_path):
     file = _reward_file(tmp_path, "def half(completions, **kw):\n    return [1.0, None, None]\n"
                                   "def other(completions, **kw):\n    return [0.5, 2.0, None]\n")

@@ -59,9 +59,9 @@ done
 curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null || { echo "MLflow did not start: $STACK_DIR/mlflow.log" >&2; exit 1; }
 
 # What local-down.sh may stop: these processes (pid and start time, so a reused pid is never hit) and
-# the processes they start later.
+# the processes they start later. Ray's client server names no temp dir: it is found by its port.
 "$BIN/python" "$(dirname "$0")/stop_processes.py" record --out "$STACK_DIR/processes.json" \
-  --pid "$MLFLOW_PID" --cmdline "$RAY_TMP"
+  --pid "$MLFLOW_PID" --cmdline "$RAY_TMP" --cmdline="--port=$CLIENT_PORT --mode=proxy"
 
 cat <<MSG
 Ray head:       127.0.0.1:$RAY_PORT  (Jobs API and dashboard: http://127.0.0.1:$DASHBOARD_PORT; token in $TOKEN_FILE)

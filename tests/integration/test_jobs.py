@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -246,6 +247,9 @@ def test_local_down_stops_the_stack_and_nothing_else(stack):
         left = [p.pid for p in psutil.process_iter(["cmdline"])
                 if stack["raytmp"] in " ".join(p.info["cmdline"] or []) and p.pid != decoy.pid]
         assert left == []
+        for name in ("RAY_PORT", "DASHBOARD_PORT", "CLIENT_PORT", "MLFLOW_PORT"):  # Ray's client server included,
+            with pytest.raises(OSError):  # whose command line names no temp dir
+                socket.create_connection(("127.0.0.1", int(stack["up_env"][name])), timeout=5).close()
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{stack['mlflow']}/health", timeout=5)
         assert (stack["dir"] / "mlflow.db").exists()  # the stack's data is kept

@@ -50,8 +50,10 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
     assert {"prompt", "completion", "reward", "exact_words", "step"} <= set(table["columns"])
     assert len(table["data"]) == 3 * 24  # every evaluation's answers, step 0 included
 
-    # the rollout side was an actor of its own, as the dashboard's actor list shows it
-    assert list_actors(filters=[("class_name", "=", "RolloutActor")], detail=False)
+    # the rollout side was an actor of its own, as this cluster's actor list shows it (its address named:
+    # under pytest -n 2 another test process runs a cluster of its own on this machine)
+    this_cluster = ray_cluster.get_runtime_context().gcs_address
+    assert list_actors(address=this_cluster, filters=[("class_name", "=", "RolloutActor")], detail=False)
 
     out = subprocess.run([sys.executable, "-m", "benchmarks.exact_match", "--base", str(embedded["model"]),
                           "--adapter", summary["adapter_path"], "--prompts", str(prompts), "--max-prompts", "24"],

@@ -1,14 +1,20 @@
-"""What several test modules use: paths, config and data builders, free ports, a gloo process group."""
+"""What several test modules use: paths, config and data builders, free ports, a gloo process group, an object
+store that fails writes."""
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from app.config.loading import load_config
@@ -139,3 +145,68 @@ def tiny_checkpoint(architecture: str, out: Path, tokenizer_dir: Path, seed: int
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return out
+
+
+class FailingWrites:
+    """An HTTP proxy in front of a local S3 server (moto) that answers 500 InternalError to the writes (PUT, POST)
+    whose path `fails` selects, and passes everything else through: an object store failing some writes, as S3
+    does in an outage. The client's own retries meet the same answer. `failed` lists the writes refused."""
+
+    ERROR = b"<Error><Code>InternalError</Code><Message>injected by the test</Message></Error>"
+
+    def __init__(self, upstream: str, fails: Callable[[str], bool]):
+        self.upstream, self.fails, self.failed = urllib.parse.urlsplit(upstream), fails, []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handler(self):
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def forward(self):
+                body = self.chunked_body() if self.headers.get("Transfer-Encoding") == "chunked" else \
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.command in ("PUT", "POST") and proxy.fails(self.path):
+                    proxy.failed.append(self.path)
+                    status, headers, answer = 500, [("Content-Type", "application/xml")], proxy.ERROR
+                else:
+                    upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                    upstream.request(self.command, self.path, body, dict(self.headers))
+                    response = upstream.getresponse()
+                    status, headers, answer = response.status, response.getheaders(), response.read()
+                    upstream.close()
+                self.send_response(status)
+                for key, value in headers:
+                    if key.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+                        self.send_header(key, value)
+                length = {k.lower(): v for k, v in headers}.get("content-length", "0")
+                # a HEAD answer names the object's length and has no body
+                self.send_header("Content-Length", length if self.command == "HEAD" else str(len(answer)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer)
+
+            def chunked_body(self) -> bytes:
+                """The body of a chunked request (the AWS SDK streams uploads so), passed on whole."""
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                while self.rfile.readline().strip():  # trailers
+                    pass
+                del self.headers["Transfer-Encoding"]
+                self.headers["Content-Length"] = str(len(body))
+                return body
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def close(self) -> None:
+        self.server.shutdown()

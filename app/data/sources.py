@@ -7,6 +7,7 @@ Kinds of source: JSONL files, JSON files holding one array of records (Alpaca st
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +207,28 @@ def load_hf_disk(location: str, split: str):
         name = split if split in ds else ("train" if "train" in ds else next(iter(ds)))
         ds = ds[name]
     return ds
+
+
+def source_digest(source: DataSource) -> str:
+    """What the data is, in 16 hex digits: the sha256 of a local source's bytes (wherever they were moved); of a
+    remote file's location, size and modification time (what its store says without a read); of a hub dataset's
+    or `save_to_disk` directory's location alone. The run's MLflow dataset inputs show it, and a resumed run
+    checks its data against it (other rows would move its passes)."""
+    digest = hashlib.sha256(b"" if source.files else source.location.encode())
+    for file in source.files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    if "://" in source.location:
+        import pyarrow.fs as pafs
+
+        try:
+            filesystem, path = pafs.FileSystem.from_uri(source.location)
+            info = filesystem.get_file_info(path)
+            digest.update(f"{info.size}:{info.mtime_ns}".encode())
+        except Exception:  # unreadable here: the location alone (the data check reports what is wrong)
+            pass
+    return digest.hexdigest()[:16]
 
 
 def first_records(source: DataSource, fmt: str, split: str = "train", count: int = 2) -> list[dict]:

@@ -21,7 +21,7 @@ from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
 from app.launch.background import in_background
 from app.launch.cluster import check_placement, init_ray, rollout_resources
-from app.launch.inputs import CheckedInputs, CheckedSources, check_files
+from app.launch.inputs import CheckedInputs, CheckedSources, check_files, check_resumed_data
 from app.launch.job import Job
 from app.launch.summary import job_summary
 from app.runs.claim import check_run_dir, claimed_run
@@ -45,6 +45,8 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         startup.reached("driver_ready")
     cfg, sources = check_files(cfg)
     check_run_dir(cfg.run_dir, resume)
+    if resume:
+        check_resumed_data(cfg.run_dir, cfg.data.train_paths, sources.train_digests)
     cfg, inputs = checked_while_ray_starts(cfg, sources, startup, verbose)
     check_placement(cfg)
     claim = ClaimWatch()

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig
-from app.data.sources import DataSource, check_source, resolve_source
+from app.data.sources import DataSource, check_source, resolve_source, source_digest
 from app.errors import UserInputError, first_line
 from app.model.embedded import ensure_embedded
 from app.model.files import check_model_files
+from app.runs.layout import RunDir
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class CheckedSources:
     eval: DataSource | None
     train_rows: list[int]  # records of each train source (-1: remote, counted when read)
     eval_rows: int
+    train_digests: list[str]  # app.data.sources.source_digest of each train source
+    eval_digest: str | None
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,23 @@ def check_sources(cfg: FinetuneConfig) -> CheckedSources:
     eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
     train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
-    return CheckedSources(train, eval_, train_rows, eval_rows)
+    return CheckedSources(train, eval_, train_rows, eval_rows, [source_digest(source) for source in train],
+                          source_digest(eval_) if eval_ else None)
+
+
+def check_resumed_data(run_dir: RunDir, train_paths: list[str], digests: list[str]) -> None:
+    """A resumed run trains on the data it started with: its passes continue where they stopped only over the same
+    rows. Data vanished since is refused by the source checks; data changed since, here, before Ray starts."""
+    started = run_dir.recorded_train_digests()
+    if started is None or started == digests:  # None: recorded by a version that kept no digests
+        return
+    if len(started) != len(digests):
+        raise UserInputError(f"--resume: data.train_path names {len(digests)} sources, and run {run_dir.name} "
+                             f"started with {len(started)}; name the sources it started with, or start a new run")
+    path, was, now = next((p, a, b) for p, a, b in zip(train_paths, started, digests) if a != b)
+    raise UserInputError(f"--resume: data.train_path={path} changed since run {run_dir.name} started (digest {was} "
+                         f"then, {now} now): its passes would hold other rows; put the data back as it was, or start "
+                         "a new run (another train.run_name)")
 
 
 def pin_hub_revision(cfg: FinetuneConfig) -> FinetuneConfig:

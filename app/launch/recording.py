@@ -50,8 +50,9 @@ def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue:
         return run_to_continue
     run_id = mlflow_run.start_run(cfg, run_tags(cfg, inputs), {"data.train_rows": sum(inputs.train_rows),
                                                       "data.eval_rows": inputs.eval_rows},
-                                  [("train", source) for source in inputs.train] + [("eval", inputs.eval)])
-    cfg.run_dir.write_record(run_id)
+                                  list(zip(["train"] * len(inputs.train), inputs.train, inputs.train_digests))
+                                  + ([("eval", inputs.eval, inputs.eval_digest)] if inputs.eval else []))
+    cfg.run_dir.write_record(run_id, inputs.train_digests)
     return run_id
 
 

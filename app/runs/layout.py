@@ -3,7 +3,7 @@
     <train.output_dir>/                    an absolute local path, or a URI (s3://, gs://, ...)
         mlflow.db, mlartifacts/            the local MLflow store (when no tracking server is configured)
         <run_name>/                        one run: Ray Train's run folder (RunConfig(name, storage_path))
-            run.json                       which MLflow run this directory belongs to (what --resume continues)
+            run.json                       its MLflow run (what --resume continues), its data's digests
             writer.json                    the job writing the run now (app/runs/claim.py): released at its end
             checkpoint_*/                  sharded training checkpoints, written and pruned by Ray Train
             adapter/                       the exported PEFT adapter; complete once adapter/COMPLETE exists
@@ -170,14 +170,20 @@ class RunDir:
 
     # -- the run record ----------------------------------------------------------------------------------
 
-    def write_record(self, mlflow_run_id: str) -> None:
-        self.write_text(json.dumps({"mlflow_run_id": mlflow_run_id}), RUN_RECORD)
+    def write_record(self, mlflow_run_id: str, train_digests: list[str] | None = None) -> None:
+        """The run's MLflow run, and the digests of the data it trains on (what a resume must find again)."""
+        record = {"mlflow_run_id": mlflow_run_id} | ({"train_digests": train_digests} if train_digests else {})
+        self.write_text(json.dumps(record), RUN_RECORD)
 
     def has_record(self) -> bool:
         return self.exists(RUN_RECORD)
 
     def recorded_mlflow_run_id(self) -> str:
         return json.loads(self.read_text(RUN_RECORD))["mlflow_run_id"]
+
+    def recorded_train_digests(self) -> list[str] | None:
+        """The data digests the run started with; None where there is no record, or it holds none."""
+        return json.loads(self.read_text(RUN_RECORD)).get("train_digests") if self.has_record() else None
 
     # -- the adapter: written whole or not at all ------------------------------------------------------------
 
@@ -215,6 +221,7 @@ class RunDir:
         filesystem, where = self._where(*parts)
         target = Path(holder.name) / parts[-1]
         if filesystem.get_file_info(where).type == pafs.FileType.Directory:
+            target.mkdir()  # copy_files makes the folders it finds inside, not the one it copies into
             pafs.copy_files(where, str(target), source_filesystem=filesystem,
                             destination_filesystem=pafs.LocalFileSystem())
         else:

@@ -8,7 +8,6 @@ in the run directory's journal and sent later by `python -m jobs.sync` (app/trac
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import subprocess
 import time
@@ -61,9 +60,10 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: dict[str, object],
-              datasets: list[tuple[str, DataSource | None]] = ()) -> str:
+              datasets: list[tuple[str, DataSource, str]] = ()) -> str:
     """Create the job's run with the resolved config as params and as an artifact, and the data as
-    dataset inputs; a sweep's run is tagged with the sweep and nested under its parent run."""
+    dataset inputs ((context, source, digest) each); a sweep's run is tagged with the sweep and nested under
+    its parent run."""
     bound_http_calls()
     if cfg.output.is_local:
         Path(cfg.output.root).mkdir(parents=True, exist_ok=True)  # the local MLflow store lives there
@@ -76,24 +76,19 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
     client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
-    inputs = [dataset_input(source, context) for context, source in datasets if source is not None]
+    inputs = [dataset_input(source, context, digest) for context, source, digest in datasets]
     if inputs:
         client.log_inputs(run.info.run_id, datasets=inputs)
     return run.info.run_id
 
 
-def dataset_input(source: DataSource, context: str) -> DatasetInput:
-    """The data as an MLflow dataset input: where it lives, and a digest of the bytes of its local
-    files (of its location, for remote data), so the UI shows which runs trained on the same data."""
+def dataset_input(source: DataSource, context: str, digest: str) -> DatasetInput:
+    """The data as an MLflow dataset input: where it lives, and its digest (app.data.sources.source_digest),
+    so the UI shows which runs trained on the same data."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
-    digest = hashlib.sha256(b"" if source.files else source.location.encode())
-    for file in source.files:
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
     if source.kind == "hf_hub":
         origin = HuggingFaceDatasetSource(path=source.location)
     else:
@@ -101,7 +96,7 @@ def dataset_input(source: DataSource, context: str) -> DatasetInput:
             warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
             origin = resolve_dataset_source(source.location if "://" in source.location
                                             else Path(source.location).resolve().as_uri())
-    dataset = MetaDataset(origin, name=Path(source.location.rstrip("/")).name, digest=digest.hexdigest()[:16])
+    dataset = MetaDataset(origin, name=Path(source.location.rstrip("/")).name, digest=digest)
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
 
 

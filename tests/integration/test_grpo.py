@@ -29,21 +29,21 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
     prompts = data / "grpo_eval.jsonl"
     cfg = load_config(CONFIG, [
         f"model.path={embedded['model']}", f"data.train_path={data / 'grpo_train.jsonl'}", f"data.eval_path={prompts}",
-        f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=6", "train.eval_every=3", "train.log_every=1",
-        "train.checkpoint_every=3", "train.global_batch_size=32", "train.micro_batch_size=8",
+        f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=4", "train.eval_every=2", "train.log_every=1",
+        "train.checkpoint_every=2", "train.global_batch_size=32", "train.micro_batch_size=8",
         "grpo.num_generations=4", "train.run_name=grpo", "data.max_eval_rows=24",
         "model.dtype=float32", "fsdp.param_dtype=float32"])  # the check below decodes in fp32 too
     summary = run_finetune(cfg)
-    assert summary["steps"] == 6 and summary["final_eval_loss"] is None
+    assert summary["steps"] == 4 and summary["final_eval_loss"] is None
     client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.params["train.objective"] == "grpo"
     for name in TRL_NAMES:  # every step samples a new batch (num_iterations 1): every step has them
-        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 7)), name
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 5)), name
     sync = client.get_metric_history(run.info.run_id, "rollout/sync_bytes")
     assert 0 < sync[0].value < 4 * 2**20  # the LoRA weights alone (~1 MB here), never the base
     for name in ("eval_reward", "eval_rewards/exact_words/mean", "eval_exact_match"):
-        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 3, 6], name
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 2, 4], name
     assert run.data.tags["best_metric"] == "eval_reward"
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/completions.json", str(tmp_path)))
                        .read_text())

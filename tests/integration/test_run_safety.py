@@ -1,30 +1,31 @@
-"""A run keeps what it made when things go wrong at the end: a tracking server that dies and never comes
-back, two jobs started with one run name, an adapter export that was interrupted. Real Ray, a real
-`mlflow server` (killed with SIGKILL), real jobs (`python -m jobs.finetune` processes)."""
+"""A run keeps what it made when things go wrong: a tracking server that dies and never comes back, two jobs
+started with one run name, an adapter export that was interrupted, an object store that fails a checkpoint's
+writes, a data file deleted mid-run or changed before a resume. Real Ray, a real `mlflow server` (killed with
+SIGKILL), a local S3 server (moto) behind a proxy that fails writes, real jobs (`python -m jobs.finetune`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from safetensors.torch import load_file
+from safetensors.torch import load
 
-from app.config.schema import FinetuneConfig
 from app.launch.driver import run_finetune
 from tests.helpers import (
     EMBEDDED_CONFIG,
     NO_DECODING,
     REPO,
+    FailingWrites,
     free_port,
     job_command,
     make_config,
@@ -85,18 +86,10 @@ def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_th
         os.killpg(server.pid, signal.SIGKILL)
 
 
-@dataclass(frozen=True)
-class Twins:
-    cfg: FinetuneConfig  # the job that ran, in this process
-    summary: dict | None  # its summary; None if it did not finish
-    second: subprocess.CompletedProcess  # the `python -m jobs.finetune` job started while the first held the run
-
-
-@pytest.fixture(scope="module")
-def twins(ray_cluster, embedded, tmp_path_factory) -> Twins:
-    """Two jobs started with one run name, "twins": one here, and while it holds the run a second one, as a
-    `python -m jobs.finetune` process. The finished run is then also the one the export test interrupts."""
-    tmp_path = tmp_path_factory.mktemp("twins")
+def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(ray_cluster, embedded, tmp_path):
+    """Two jobs started with one run name: one here, and while it holds the run a second one, as a
+    `python -m jobs.finetune` process. The second stops at once with one line naming the job that holds the
+    run; the first finishes, there is one MLflow run of that name, and the claim on the run is released."""
     cfg = make_config(tmp_path, embedded, *QUICK, "train.run_name=twins")
     results: list[dict] = []
     first = threading.Thread(target=lambda: results.append(run_finetune(cfg)))
@@ -107,38 +100,14 @@ def twins(ray_cluster, embedded, tmp_path_factory) -> Twins:
     second = subprocess.run(job_command(embedded, tmp_path / "outputs", *QUICK, "train.run_name=twins"),
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     first.join(timeout=600)
-    return Twins(cfg, results[0] if results else None, second)
-
-
-def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(twins):
-    """The second job stops at once with one line naming the job that holds the run; the first finishes,
-    there is one MLflow run of that name, and the claim on the run is released at the end."""
-    cfg, second = twins.cfg, twins.second
     assert second.returncode == 2
     assert second.stderr.startswith("error: train.run_name=twins: another job (pid") and second.stderr.count("\n") == 1
-    assert twins.summary is not None and twins.summary["steps"] == 12
+    assert results and results[0]["steps"] == 12
     client = MlflowClient(cfg.mlflow.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id],
                               "attributes.run_name = 'twins'")
     assert len(runs) == 1  # the second job left no orphan MLflow run
     assert not Path(cfg.run_dir.path("writer.json")).exists()  # released at the end
-
-
-def test_an_interrupted_adapter_export_is_redone_by_resume(twins):
-    """A finished run whose adapter export was cut short (no COMPLETE, a broken file) gets the same adapter,
-    bit for bit, from resuming it: same MLflow run, no extra step, FINISHED again."""
-    cfg, first = twins.cfg, twins.summary
-    assert first is not None, "the twins run did not finish"
-    adapter = Path(first["adapter_path"])
-    exported = {k: v.clone() for k, v in load_file(adapter / "adapter_model.safetensors").items()}  # not mmapped
-    (adapter / "COMPLETE").unlink()  # as if the job had stopped halfway through writing it
-    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 100)
-    resumed = run_finetune(cfg, resume=True)
-    assert resumed["mlflow_run_id"] == first["mlflow_run_id"] and resumed["steps"] == 12
-    assert (adapter / "COMPLETE").exists()
-    again = load_file(adapter / "adapter_model.safetensors")
-    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
-    assert MlflowClient(cfg.mlflow.tracking_uri).get_run(first["mlflow_run_id"]).info.status == "FINISHED"
 
 
 @pytest.fixture
@@ -163,31 +132,75 @@ def s3_bucket(tmp_path):
     os.killpg(server.pid, signal.SIGKILL)
 
 
-def test_a_run_on_an_s3_output_dir_keeps_everything_there_and_resumes_from_it(embedded, tmp_path, s3_bucket,
-                                                                                monkeypatch):
-    """A job with an s3:// output dir writes its run, checkpoints and adapter to the bucket (never a local
-    folder), and a resume of it redoes an interrupted export there."""
+CHECKPOINT_FOLDER = re.compile(r"/checkpoint_\d{4}-[^/]+/")  # Ray Train's, named by their time
+
+
+def test_a_run_on_s3_outlives_failed_checkpoint_writes_and_its_data_vanishing_and_resumes_only_on_its_data(
+        embedded, tmp_path, s3_bucket, monkeypatch):
+    """A job with an s3:// output dir writes its run there (never a local folder). The store fails every write of
+    its second checkpoint, and its data file is deleted once training is under way: Ray Train restarts the worker
+    group from the first checkpoint (every step logged once), and the run, which read its data once, finishes its
+    passes. A resume then refuses the data vanished or changed, in one line before Ray starts, and on the data put
+    back redoes an interrupted export there, bit for bit."""
     import pyarrow.fs as pafs
 
-    env = {**os.environ, **s3_bucket}
+    checkpoints: list[str] = []
+
+    def second_checkpoint(path: str) -> bool:
+        folder = CHECKPOINT_FOLDER.search(path)
+        if folder and folder.group() not in checkpoints:
+            checkpoints.append(folder.group())
+        return bool(folder) and checkpoints.index(folder.group()) == 1
+
+    store = FailingWrites(s3_bucket["AWS_ENDPOINT_URL"], second_checkpoint)
+    env = {**os.environ, **s3_bucket, "AWS_ENDPOINT_URL": store.url}
+    data = tmp_path / "train.jsonl"  # 64 records: a pass takes a few steps, so the run makes several
+    rows = Path(embedded["train"]).read_text().splitlines(keepends=True)[:64]
+    data.write_text("".join(rows))
     tracking = f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
-    command = job_command(embedded, "s3://runs/finetune", *QUICK, ONE_WORKER, "train.max_steps=8", "train.eval_every=8",
-                          tracking, "train.run_name=on-s3")
-    first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    summary = json.loads(first.stdout.strip().splitlines()[-1])
-    assert summary["adapter_path"] == "s3://runs/finetune/on-s3/adapter"
+    command = job_command(embedded, "s3://runs/finetune", *QUICK, ONE_WORKER, f"data.train_path={data}", tracking,
+                          "train.max_failures=1", "train.run_name=on-s3")
+    job = subprocess.Popen(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not checkpoints and job.poll() is None:  # the first checkpoint is being written: training is under way
+        time.sleep(0.2)
+    data.unlink()
+    stdout, stderr = job.communicate(timeout=600)
+    assert job.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["adapter_path"] == "s3://runs/finetune/on-s3/adapter" and summary["steps"] == 12
+    assert summary["model_uri"].startswith("models:/") and "warning: MLflow" not in stderr  # logged from the bucket
+    assert store.failed and len(checkpoints) >= 3  # the failed one, and the ones after the restart
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train_loss")] == list(range(1, 13))
+    per_pass = client.get_metric_history(summary["mlflow_run_id"], "data_rows_per_worker_per_pass")[0].value
+    assert 3 * per_pass < 12 * 32  # a step takes 32 rows: the run took more than 3 passes
+
     for key, value in s3_bucket.items():
         monkeypatch.setenv(key, value)
     s3, _ = pafs.FileSystem.from_uri("s3://runs")
     names = {i.base_name for i in s3.get_file_info(pafs.FileSelector("runs/finetune/on-s3"))}
     assert {"run.json", "adapter"} <= names and any(n.startswith("checkpoint_") for n in names)
     assert not (Path(REPO) / "s3:").exists()  # never a local folder named after the scheme
-    s3.delete_file("runs/finetune/on-s3/adapter/COMPLETE")  # as if the export had been interrupted
+    weights = "runs/finetune/on-s3/adapter/adapter_model.safetensors"
+    exported = load(s3.open_input_stream(weights).read())
+    s3.delete_file("runs/finetune/on-s3/adapter/COMPLETE")  # as if the export had been cut short halfway
+    with s3.open_output_stream(weights) as half_written:
+        half_written.write(b"\0" * 100)
 
-    resumed = subprocess.run([*command, "--resume", "on-s3"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=600)
+    resume = lambda: subprocess.run([*command, "--resume", "on-s3"], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=600)
+    vanished = resume()
+    assert vanished.returncode == 2 and vanished.stderr == f"error: data.train_path={data}: no such file or " \
+                                                           "directory; for the embedded demo data run `make embedded`\n"
+    data.write_text("".join(rows[:-1]))  # a record less
+    changed = resume()
+    assert changed.returncode == 2 and changed.stderr.count("\n") == 1
+    assert changed.stderr.startswith(f"error: --resume: data.train_path={data} changed since run on-s3 started")
+    data.write_text("".join(rows))  # put back as it was
+    resumed = resume()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert again["mlflow_run_id"] == summary["mlflow_run_id"] and again["steps"] == 8
+    assert again["mlflow_run_id"] == summary["mlflow_run_id"] and again["steps"] == 12
     assert s3.get_file_info("runs/finetune/on-s3/adapter/COMPLETE").type == pafs.FileType.File
+    again = load(s3.open_input_stream(weights).read())  # the same adapter, bit for bit
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from app.data.sources import resolve_source
+from app.data.sources import resolve_source, source_digest
 from app.runs.layout import JOURNAL, RunDir
 from app.tracking import mlflow_run as tracking
 from app.tracking.logger import RunLogger
@@ -95,7 +95,8 @@ def test_a_run_records_its_data_as_dataset_inputs_and_its_sweep(mlflow_server, e
     parent = _new_run(uri)
     cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"parent_run_id": parent})})
     train, eval_ = resolve_source(cfg.data.train_path), resolve_source(cfg.data.eval_path)
-    run_id = tracking.start_run(cfg, {"base_model": cfg.model.path}, {}, [("train", train), ("eval", eval_)])
+    run_id = tracking.start_run(cfg, {"base_model": cfg.model.path}, {}, [("train", train, source_digest(train)),
+                                                                           ("eval", eval_, source_digest(eval_))])
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.tags["sweep"] == "s1" and run.data.tags["mlflow.parentRunId"] == parent
     inputs = {d.tags[0].value: d.dataset for d in run.inputs.dataset_inputs}
@@ -107,5 +108,5 @@ def test_a_run_records_its_data_as_dataset_inputs_and_its_sweep(mlflow_server, e
     original = Path(cfg.data.train_path).read_text()
     copied.write_text(original)
     changed.write_text(original + original.splitlines()[0] + "\n")
-    assert tracking.dataset_input(resolve_source(str(copied)), "train").dataset.digest == inputs["train"].digest
-    assert tracking.dataset_input(resolve_source(str(changed)), "train").dataset.digest != inputs["train"].digest
+    assert source_digest(resolve_source(str(copied))) == inputs["train"].digest
+    assert source_digest(resolve_source(str(changed))) != inputs["train"].digest

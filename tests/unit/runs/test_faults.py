@@ -1,6 +1,7 @@
 """Faults of the run's files and records that once cost what a run reported: a source name MLflow refuses (which
 dropped every step's metrics), a journal rewrite cut short by a full disk (which emptied it), a starting adapter
-that changed under a resumed run (which silently changed its reference), an elastic group its placement cannot
+that changed under a resumed run (which silently changed its reference), training data that changed under a
+resumed run (which silently moved its passes onto other rows), an elastic group its placement cannot
 hold (which waited forever). A real sqlite MLflow store in tmp_path."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from app.config.loading import load_config
 from app.data.passes import source_key, source_names
+from app.data.sources import resolve_source, source_digest
 from app.errors import UserInputError
+from app.launch.inputs import check_resumed_data
 from app.runs.layout import JOURNAL, RunDir
 from app.tracking.journal import Journal
 from app.tracking.logger import RunLogger
@@ -86,6 +89,27 @@ def test_a_resume_from_another_starting_adapter_is_refused(store):
         reopen_run(uri, run_id, same | {"init_adapter_sha256": "b" * 64}, None)
     with pytest.raises(UserInputError, match="model.init_adapter is not set"):
         reopen_run(uri, run_id, {"init_adapter_sha256": "none"}, None)
+
+
+def test_a_resume_on_changed_data_is_refused_and_on_moved_data_is_not(tmp_path):
+    """The run record keeps each source's digest: the same bytes at another path resume; other bytes, or
+    another number of sources, are refused in one line naming the source."""
+    first = tmp_path / "train.jsonl"
+    first.write_text('{"text": "one is written one."}\n')
+    run = RunDir(str(tmp_path / "run"))
+    run.write_record("mlflow-run", [source_digest(resolve_source(str(first)))])
+    moved = first.rename(tmp_path / "moved.jsonl")
+    digests = lambda *paths: [source_digest(resolve_source(str(p))) for p in paths]
+    check_resumed_data(run, [str(moved)], digests(moved))  # the same rows elsewhere: it continues
+    moved.write_text('{"text": "two is written two."}\n')
+    with pytest.raises(UserInputError, match=rf"^--resume: data.train_path={moved} changed since run run started "
+                                             r"\(digest [0-9a-f]{16} then, [0-9a-f]{16} now\)") as error:
+        check_resumed_data(run, [str(moved)], digests(moved))
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserInputError, match="names 2 sources, and run run started with 1"):
+        check_resumed_data(run, [str(moved)] * 2, digests(moved, moved))
+    RunDir(str(tmp_path / "older")).write_record("mlflow-run")  # a record kept no digests: nothing to check
+    check_resumed_data(RunDir(str(tmp_path / "older")), [str(moved)], digests(moved))
 
 
 def test_an_elastic_group_a_strict_placement_may_not_hold_is_refused_before_launch():

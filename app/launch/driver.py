@@ -21,7 +21,13 @@ from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
 from app.launch.background import in_background
 from app.launch.cluster import check_placement, init_ray, rollout_resources
-from app.launch.inputs import CheckedInputs, CheckedSources, check_files, check_resumed_data
+from app.launch.inputs import (
+    CheckedInputs,
+    CheckedSources,
+    check_files,
+    check_resumed_data,
+    check_tracking_server,
+)
 from app.launch.job import Job
 from app.launch.summary import job_summary
 from app.runs.claim import check_run_dir, claimed_run
@@ -44,6 +50,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     if started_at is not None:
         startup.reached("driver_ready")
     cfg, sources = check_files(cfg)
+    check_tracking_server(cfg.mlflow.tracking_uri)
     check_run_dir(cfg.run_dir, resume)
     if resume:
         check_resumed_data(cfg.run_dir, cfg.data.train_paths, sources.train_digests)

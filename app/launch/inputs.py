@@ -6,6 +6,8 @@ the key, file or line."""
 from __future__ import annotations
 
 import re
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 from app.config.paths import looks_local
@@ -52,6 +54,22 @@ def check_sources(cfg: FinetuneConfig) -> CheckedSources:
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     return CheckedSources(train, eval_, train_rows, eval_rows, [source_digest(source) for source in train],
                           source_digest(eval_) if eval_ else None)
+
+
+def check_tracking_server(uri: str, timeout_s: float = 10.0) -> None:
+    """A tracking server must answer before anything starts: the job opens its MLflow run before training (the run
+    id names where every step is logged). Any HTTP answer will do (its /health needs no credentials)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answers (behind a proxy that wants credentials, say)
+    except (OSError, ValueError) as e:  # refused, unresolvable, timed out
+        reason = e.reason if isinstance(getattr(e, "reason", None), BaseException) else e
+        raise UserInputError(f"mlflow.tracking_uri={uri}: the tracking server does not answer "
+                             f"({first_line(reason, 200)}); start it (cluster/local-up.sh starts one), or point "
+                             "mlflow.tracking_uri at one that runs; nothing has started") from None
 
 
 def check_resumed_data(run_dir: RunDir, train_paths: list[str], digests: list[str]) -> None:

@@ -1,13 +1,16 @@
 """Faults of the run's files and records that once cost what a run reported: a source name MLflow refuses (which
 dropped every step's metrics), a journal rewrite cut short by a full disk (which emptied it), a starting adapter
 that changed under a resumed run (which silently changed its reference), training data that changed under a
-resumed run (which silently moved its passes onto other rows), an elastic group its placement cannot
+resumed run (which silently moved its passes onto other rows), a tracking server down at the start (a traceback
+after Ray had started), an elastic group its placement cannot
 hold (which waited forever). A real sqlite MLflow store in tmp_path."""
 
 from __future__ import annotations
 
 import errno
+import http.server
 import pathlib
+import threading
 
 import pytest
 from mlflow.entities import Metric
@@ -17,12 +20,12 @@ from app.config.loading import load_config
 from app.data.passes import source_key, source_names
 from app.data.sources import resolve_source, source_digest
 from app.errors import UserInputError
-from app.launch.inputs import check_resumed_data
+from app.launch.inputs import check_resumed_data, check_tracking_server
 from app.runs.layout import JOURNAL, RunDir
 from app.tracking.journal import Journal
 from app.tracking.logger import RunLogger
 from app.tracking.mlflow_run import reopen_run
-from tests.helpers import EMBEDDED_CONFIG
+from tests.helpers import EMBEDDED_CONFIG, free_port
 
 
 @pytest.fixture
@@ -110,6 +113,31 @@ def test_a_resume_on_changed_data_is_refused_and_on_moved_data_is_not(tmp_path):
         check_resumed_data(run, [str(moved)] * 2, digests(moved, moved))
     RunDir(str(tmp_path / "older")).write_record("mlflow-run")  # a record kept no digests: nothing to check
     check_resumed_data(RunDir(str(tmp_path / "older")), [str(moved)], digests(moved))
+
+
+def test_a_tracking_server_down_at_the_start_is_one_line_before_anything_starts(tmp_path):
+    """The job opens its MLflow run before training: a server that does not answer is named before Ray starts.
+    Any answer will do (a proxy asking for credentials), and a local store needs no server."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserInputError, match=rf"^mlflow.tracking_uri={uri}: the tracking server does not answer "
+                                             r"\(\[Errno 111\] Connection refused\); start it") as error:
+        check_tracking_server(uri)
+    assert "\n" not in str(error.value)
+
+    class AsksForCredentials(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(401)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AsksForCredentials)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_tracking_server(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    check_tracking_server(f"sqlite:///{tmp_path / 'mlflow.db'}")
 
 
 def test_an_elastic_group_a_strict_placement_may_not_hold_is_refused_before_launch():

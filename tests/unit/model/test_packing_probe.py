@@ -25,6 +25,16 @@ from app.train.loss import summed_token_loss
 
 pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models, whose ops are too small to split: under `make test` two test processes share two cores,
+    and a second intra-op thread each only contends (the module took four times longer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 LENGTHS = (7, 12, 5)
 
 

@@ -48,10 +48,10 @@ def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue:
     if run_to_continue is not None:
         mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, run_tags(cfg, inputs), cfg.model.revision)
         return run_to_continue
+    datasets = [("train", source, digest) for source, digest in zip(inputs.train, inputs.train_digests)]
+    datasets += [("eval", inputs.eval, inputs.eval_digest)] if inputs.eval else []
     run_id = mlflow_run.start_run(cfg, run_tags(cfg, inputs), {"data.train_rows": sum(inputs.train_rows),
-                                                      "data.eval_rows": inputs.eval_rows},
-                                  list(zip(["train"] * len(inputs.train), inputs.train, inputs.train_digests))
-                                  + ([("eval", inputs.eval, inputs.eval_digest)] if inputs.eval else []))
+                                                      "data.eval_rows": inputs.eval_rows}, datasets)
     cfg.run_dir.write_record(run_id, inputs.train_digests)
     return run_id
 

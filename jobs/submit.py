@@ -3,6 +3,7 @@
     python -m jobs.submit submit --config jobs/configs/embedded.yaml [--set k=v ...] [--follow]
     python -m jobs.submit list | status JOB | logs JOB [--follow] | stop JOB
     python -m jobs.submit sweep --config C --grid train.learning_rate=1e-3,3e-3 [--grid lora.r=4,8]
+    python -m jobs.submit tune [--follow] -- --config C --space 'lora.r=choice(8,16)' [jobs.tune's flags]
     python -m jobs.submit sync RUN_NAME --config C    (after an MLflow outage: send what the run kept)
 
 The cluster is --address (default $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, or http://127.0.0.1:8265);
@@ -31,6 +32,8 @@ from app.config.loading import load_config
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
+from jobs.tune import parse_args as parse_tune_args
+from jobs.tune import sweep_config, sweep_name
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 SECRET_KEY = re.compile(r"(^|[._-])(password|passwd|secret|token|api_?key|access_key|credentials?)$", re.I)
@@ -114,6 +117,22 @@ def sync_job(run_name: str, config: str, overrides: list[str], env: dict) -> dic
     return {"entrypoint": shlex.join(command), "runtime_env": env,
             "submission_id": f"sync-{run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
             "metadata": {"run_name": run_name, "config": config}}
+
+
+def tune_job(tune_args: list[str], env: dict) -> dict:
+    """`python -m jobs.tune` as one job (its trials run on the cluster it joins), its flags, config and space checked
+    here first, its sweep name pinned: the keyword arguments of `submit_job`."""
+    tune_args = tune_args[1:] if tune_args[:1] == ["--"] else tune_args
+    args = parse_tune_args(tune_args)
+    refuse_secrets(args.overrides)
+    sweep_config(args)
+    name = sweep_name(args)
+    command = ["python", "-m", "jobs.tune", *tune_args]
+    if not args.name and not args.resume:
+        command += ["--name", name]
+    submission_id = name if not args.resume else f"{name}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    return {"entrypoint": shlex.join(command), "submission_id": submission_id, "runtime_env": env,
+            "metadata": {"sweep": name, "config": args.config}}
 
 
 def reconcile(client) -> None:
@@ -257,6 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sw = with_config(commands.add_parser("sweep", help="a grid of configs as separate jobs, compared in MLflow"))
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="one axis (repeatable)")
     sw.add_argument("--name", help="the sweep's name (MLflow parent run and tag); default sweep-CONFIG-TIME")
+    tune = commands.add_parser("tune", help="a Ray Tune sweep (python -m jobs.tune) as one job")
+    tune.add_argument("--runtime-env", default="jobs/runtime_env.yaml")
+    tune.add_argument("--follow", action="store_true", help="stream its logs; exit 0 only if it succeeds")
+    tune.add_argument("tune_args", nargs=argparse.REMAINDER, metavar="-- JOBS.TUNE FLAGS",
+                      help="after --: python -m jobs.tune's flags, e.g. -- --config C --space 'lora.r=choice(8,16)'")
     sync = with_config(commands.add_parser("sync", help="send what a run kept while MLflow was unreachable"))
     sync.add_argument("run_name")
     return parser.parse_args(argv)
@@ -273,13 +297,14 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         sweep = plan_sweep(args.config, args.overrides, args.grid, args.name, env)
         return run_sweep(job_client(args.address), sweep, args.config, env)
-    if args.command in ("submit", "sync"):
+    if args.command in ("submit", "sync", "tune"):
         job = (run_job(args.config, args.overrides, env, resume=args.resume) if args.command == "submit"
+               else tune_job(args.tune_args, env) if args.command == "tune"
                else sync_job(args.run_name, args.config, args.overrides, env))
         client = job_client(args.address)
         job_id = client.submit_job(**job)
         print(job_id, flush=True)
-        if args.command == "submit" and not args.follow:
+        if args.command in ("submit", "tune") and not args.follow:
             return 0
         return 0 if follow_logs(client, job_id) == "SUCCEEDED" else 1
     client = job_client(args.address)

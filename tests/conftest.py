@@ -63,7 +63,8 @@ SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference
 # The longest groups, longest first (measured: a fresh clone's `--durations`): handed out first, so the two
 # processes start on the two longest and the short modules fill in behind them (`make test` passes
 # --no-loadscope-reorder: xdist keeps this order instead of sorting groups by their number of tests).
-LONGEST_FIRST = ["tests.integration.test_jobs", "reference_run", "tests.integration.test_multinode",
+LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "reference_run",
+                 "tests.integration.test_multinode",
                  "tests.integration.test_run_safety", "tests.integration.test_models_and_formats",
                  "tests.unit.train.test_recipe",
                  "tests.unit.model.test_loading", "tests.unit.model.test_sharding",

@@ -20,6 +20,7 @@ from app.config.sections import (
     TrainSection,
     metric_name,
 )
+from app.config.tune import TuneSection
 
 
 def min_workers_within_num_workers(scaling: ScalingSection) -> str | None:
@@ -84,6 +85,21 @@ def best_metric_is_reported(train: TrainSection, eval: EvalSection, grpo: GrpoSe
     if train.best_metric not in ranked:
         return (f"train.best_metric={train.best_metric} is not an evaluation figure of this config: use one of "
                 f"{', '.join(sorted(ranked))} (task metrics need eval.generation_rows > 0)")
+    return None
+
+
+def tune_ranks_by_a_reported_figure(tune: TuneSection, train: TrainSection, eval: EvalSection,
+                                    grpo: GrpoSection) -> str | None:
+    """A sweep's metric is one its trials report at each evaluation; PBT decides at evaluations only."""
+    if not tune.space:
+        return None
+    ranked = reported_figures(train, eval, grpo)
+    if tune.metric is not None and tune.metric not in ranked:
+        return (f"tune.metric={tune.metric} is not an evaluation figure of this config: use one of "
+                f"{', '.join(sorted(ranked))} (task metrics need eval.generation_rows > 0)")
+    if tune.scheduler == "pbt" and (tune.perturbation_interval or train.eval_every) % train.eval_every:
+        return (f"tune.perturbation_interval={tune.perturbation_interval} must be a multiple of train.eval_every="
+                f"{train.eval_every}: trials report (and PBT decides) at evaluations")
     return None
 
 
@@ -173,4 +189,5 @@ def mesh_covers_the_workers(scaling: ScalingSection) -> str | None:
 RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, offload_needs_a_gpu,
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
          data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
-         elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups)
+         elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
+         tune_ranks_by_a_reported_figure)

@@ -25,6 +25,7 @@ from app.config.sections import (
     Section,
     TrainSection,
 )
+from app.config.tune import TuneSection
 from app.runs.layout import OutputDir, RunDir
 
 
@@ -39,6 +40,7 @@ class FinetuneConfig(Section):
     mlflow: MlflowSection = MlflowSection()
     dpo: DpoSection = DpoSection()
     grpo: GrpoSection = GrpoSection()
+    tune: TuneSection = TuneSection()
 
     @model_validator(mode="after")
     def _rules_hold(self) -> FinetuneConfig:

@@ -161,6 +161,9 @@ class TrainSection(Section):
                                 "(off by default, as in TRL and torchtune)")
     checkpoint_every: int = Field(50, gt=0, description="steps between sharded checkpoints (and one at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="how many of the latest checkpoints to keep")
+    checkpoint_adapter: bool = Field(False, description="also write the PEFT adapter of the step into each "
+                                     "checkpoint (its adapter/ folder): a run stopped at any checkpoint has its "
+                                     "adapter there (jobs.tune turns it on for its trials)")
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1: no limit")
     shared_output_dir: bool = Field(False, description="train.output_dir is a path every node mounts (NFS, a "
                                     "PVC): with workers on several hosts a local output_dir must be this, under "

@@ -28,21 +28,21 @@ from app.launch.inputs import (
     check_resumed_data,
     check_tracking_server,
 )
-from app.launch.job import Job
+from app.launch.job import Job, TrialLink
 from app.launch.summary import job_summary
 from app.runs.claim import check_run_dir, claimed_run
 from app.train.progress import StartupClock
 
 
 def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = False,
-                 started_at: float | None = None) -> dict:
+                 started_at: float | None = None, trial: TrialLink | None = None) -> dict:
     """Check, launch, train, record; returns the one-line JSON summary as a dict.
 
     With `resume`, continues the run of the same `train.run_name` from its latest checkpoint, in the
     same MLflow run, with whatever worker count the config now asks for. The summary comes from the
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     `started_at`: when the job began (the command's process start: the timeline then counts the driver's
-    imports too); now, if not given.
+    imports too); now, if not given. `trial`: the run is a sweep's trial (app/launch/tuning.py).
     """
     t0 = time.perf_counter()
     export_tracking_credentials()  # the config holds the tracking URI without them
@@ -60,7 +60,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile
 
-        job = Job(cfg, inputs, recording.open_mlflow_run(cfg, inputs, run_to_continue), startup, verbose)
+        job = Job(cfg, inputs, recording.open_mlflow_run(cfg, inputs, run_to_continue), startup, verbose, trial)
         startup.reached("mlflow_run_ready")
         metrics, model, mlflow_synced = train_and_record(job, claim)
     return job_summary(cfg, job.run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)

@@ -24,6 +24,7 @@ class Job:
     run_id: str
     startup: StartupClock
     verbose: bool = False
+    trial: TrialLink | None = None
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,19 @@ class WorkerLaunch:
     mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
     init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
     rollouts: tuple = ()  # GRPO's rollout actors (app/launch/rollout_group.py)
+    trial: TrialLink | None = None  # a sweep's trial: where it starts, and that its reports may be its last
+
+
+@dataclass(frozen=True)
+class TrialLink:
+    """What a sweep's trial (app/launch/tuning.py) adds to a run: the Ray Train run it trains in (its first
+    part trains in the run's own; one restarted from a checkpoint, PBT's copy of a better trial or a resumed
+    sweep's, in a new one beside it), that checkpoint, the queue its reports go to Ray Tune through, and the
+    one on which rank 0 waits after each report until Ray Tune's scheduler has let the trial go on (a trial it
+    stops or pauses trains no step past the report)."""
+
+    train_run_name: str
+    restore_from: str | None = None
+    copied_step: int | None = None  # the step of another trial's checkpoint it starts from: logged anew after it
+    reports: object = None  # ray.util.queue.Queues: filled by app/launch/trainer.py's TrialReports callback,
+    go_on: object = None  # and by the trial function once Ray Tune has taken the report

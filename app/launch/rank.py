@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -17,7 +18,7 @@ from app.data.coordinator import DataNotBuilt, batches_of
 from app.data.stream import column_batches
 from app.errors import first_line, warn
 from app.launch import faults
-from app.launch.job import WorkerLaunch
+from app.launch.job import TrialLink, WorkerLaunch
 from app.launch.rollout_group import RayRollouts, local_scorer, ray_scorer
 from app.train.checkpoint import TrainerState
 from app.train.progress import StartupClock
@@ -27,6 +28,7 @@ from app.train.recipe import FinetuneRecipe, NoTracking
 # Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 NO_DEADLINE_RESTART_S = 120.0  # ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S
+TRIAL_DECISION_SECONDS = 600.0  # a sweep's trial waits this long at most for Ray Tune to take its report
 
 
 class RayCheckpoints:
@@ -34,12 +36,17 @@ class RayCheckpoints:
     RunConfig.storage_path, keeps the last `train.keep_checkpoints`, and registers a checkpoint only
     once every rank has reported it, so a crash mid-save leaves the previous one as the latest."""
 
-    def __init__(self, rank: int, world_size: int):
-        self.is_last_rank = rank == world_size - 1
+    def __init__(self, rank: int, world_size: int, trial: TrialLink | None = None,
+                 before_report: Callable[[], None] | None = None):
+        self.is_last_rank, self.is_main = rank == world_size - 1, rank == 0
         self.notice_seen_at: float | None = None
+        self.trial, self.before_report = trial, before_report
 
     def restore(self, load) -> TrainerState | None:
+        """The latest checkpoint of this Ray Train run, else the one the run was told to start from."""
         checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None and self.trial is not None and self.trial.restore_from is not None:
+            checkpoint = ray.train.Checkpoint(self.trial.restore_from)
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as directory:
@@ -49,7 +56,11 @@ class RayCheckpoints:
         with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as directory:
             write(Path(directory))
             faults.maybe_die_mid_save(metrics["step"], self.is_last_rank)
+            if self.before_report is not None:
+                self.before_report()
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        if self.trial is not None and self.is_main:  # the other ranks wait in the next step's collectives
+            self.trial.go_on.get(timeout=TRIAL_DECISION_SECONDS)
 
     def preemption_deadline(self) -> float | None:
         """Ray Train's notice that a node of this group is draining for preemption (a node's SIGTERM, which
@@ -91,13 +102,17 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
     if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
         from app.tracking.logger import RunLogger  # start-up: rank 0 only
 
-        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir)
+        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir,
+                            logged_through=launch.trial.copied_step if launch.trial else None)
     else:
         tracker = NoTracking()
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     rollouts, scorer = grpo_sides(cfg, launch, ctx.rank)
     try:
-        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, RayCheckpoints(ctx.rank, ctx.world_size),
+        checkpoints = RayCheckpoints(ctx.rank, ctx.world_size, launch.trial,
+                                     # a sweep may stop a trial at any report: what it logged is sent first
+                                     tracker.flush if launch.trial and ctx.is_main else None)
+        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, checkpoints,
                        cfg.run_dir, launch.job_start_time, launch.source_names,
                        ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
                        pace=faults.step_pacing(), rollouts=rollouts, scorer=scorer).train()

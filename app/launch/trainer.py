@@ -8,7 +8,7 @@ import os
 from concurrent.futures import Future
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.data.passes import source_names
@@ -30,7 +30,8 @@ def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
                    if k in os.environ}
     launch = WorkerLaunch(cfg, job.run_id, job.startup.job_start_time, passes,
                           source_names([s.location for s in inputs.train]), credentials,
-                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts))
+                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts),
+                          job.trial)
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     return TorchTrainer(
         functools.partial(train_worker, launch),
@@ -40,7 +41,8 @@ def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
             placement_strategy=cfg.scaling.placement_strategy,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_seconds),
         run_config=RunConfig(  # the same name + storage path is what lets a relaunch resume
-            name=cfg.train.run_name, storage_path=cfg.train.output_dir,
+            name=job.trial.train_run_name if job.trial else cfg.train.run_name, storage_path=cfg.train.output_dir,
+            callbacks=[TrialReports(job.trial.reports)] if job.trial else None,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             worker_runtime_env={"env_vars": console.worker_env(job.verbose) | faults.forwarded() |
@@ -61,3 +63,16 @@ def train_on_workers(trainer: TorchTrainer, data: Future) -> dict:
         raise
     raise_failure(data)
     return metrics
+
+
+class TrialReports(UserCallback):
+    """A sweep trial's reports on their way to Ray Tune: each (rank 0's figures, and the checkpoint's path) goes
+    onto the trial's queue, where app/launch/tuning.py hands it to `tune.report` with the checkpoint, so that a
+    scheduler can stop the trial on it and PBT can copy the checkpoint into another trial. (Ray's own
+    TuneReportCallback passes the figures only, and PBT needs the checkpoints.)"""
+
+    def __init__(self, reports):
+        self.reports = reports
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        self.reports.put({**metrics[0], "checkpoint_path": checkpoint.path if checkpoint else None})

@@ -42,14 +42,18 @@ class _Batch:
 
 
 class RunLogger:
-    def __init__(self, tracking_uri: str, run_id: str, run_dir: RunDir | None = None, retry_seconds: float = 2.0):
+    def __init__(self, tracking_uri: str, run_id: str, run_dir: RunDir | None = None, retry_seconds: float = 2.0,
+                 logged_through: int | None = None):
+        """`logged_through`: the step after which this attempt's figures are new (default: the last the run
+        logged); earlier ones are a restarted attempt's replay of steps already logged, and dropped."""
         bound_http_calls()
         self.client, self.run_id, self.run_dir = MlflowClient(tracking_uri), run_id, run_dir
         self.journal = Journal(run_dir) if run_dir is not None else None
         self.retry_seconds, self.failures, self._failing_in_a_row = retry_seconds, 0, 0
-        self._logged_through: int | None = None  # found by the sender before it sends anything
+        self._logged_through = logged_through  # if None, found by the sender before it sends anything
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
         self._pending: _Batch | None = None  # the batch being sent
+        self._queued = self._handled = 0  # batches put on the queue (by the recipe), and sent or skipped (sender)
         self._refused: set[str] = set()  # names MLflow refused, warned of once
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
@@ -62,9 +66,11 @@ class RunLogger:
         restarted run has one value per step."""
         now = int(time.time() * 1000)
         batch = _Batch(metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        self._queued += 1
         self._queue.put((batch, step if once_per_step else None))
 
     def log_params(self, params: dict[str, object]) -> None:
+        self._queued += 1
         self._queue.put((_Batch(params=[Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]), None))
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
@@ -79,6 +85,14 @@ class RunLogger:
         if not self._with_retries(lambda: self.client.log_table(self.run_id, data=data, artifact_file=artifact_file),
                                   f"table {artifact_file}") and self.journal:
             self.journal.add_table(SAMPLES, artifact_file)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until what is queued has been sent (at most `timeout` seconds, less once the server has failed
+        three times in a row): before a point where the process may be stopped from outside."""
+        deadline = time.monotonic() + timeout
+        while (self._queued > self._handled and self._thread.is_alive() and time.monotonic() < deadline
+               and self._failing_in_a_row < 3):
+            time.sleep(0.05)
 
     def close(self, timeout: float = 60.0) -> None:
         """Send what is queued, waiting at most `timeout` seconds (less once the server has failed three
@@ -102,16 +116,17 @@ class RunLogger:
     # -- the sender ----------------------------------------------------------------------------------------
 
     def _send_forever(self) -> None:
-        self._logged_through = self._last_logged_step()
+        if self._logged_through is None:
+            self._logged_through = self._last_logged_step()
         while not self._stopping.is_set() and (item := self._queue.get()) is not None:
             batch, step = item
-            if step is not None and step <= self._logged_through:
-                continue
-            self._pending = batch
-            while not self._send(batch):
-                if self._stopping.wait(self.retry_seconds):
-                    return
-            self._pending = None
+            if step is None or step > self._logged_through:
+                self._pending = batch
+                while not self._send(batch):
+                    if self._stopping.wait(self.retry_seconds):
+                        return
+                self._pending = None
+            self._handled += 1
 
     def _send(self, batch: _Batch) -> bool:
         try:

@@ -25,7 +25,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from transformers import get_scheduler
 
 from app.config.schema import FinetuneConfig
 from app.data.passes import source_key
@@ -47,6 +46,7 @@ from app.train.checkpoint import (
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
 from app.train.objectives import objective_for
+from app.train.optimizer import build_optimizer, follow_config
 from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.ranks import RankContext, max_over_ranks, on_every_rank
@@ -127,6 +127,7 @@ class FinetuneRecipe:
         # this attempt's latest evaluation, and the run's best (its adapter weights too with train.export=best)
         self.eval_loss: float | None = None
         self.eval_figures: dict[str, float] = {}
+        self.eval_step: int | None = None
         self.generations: dict[str, list] = {}
         self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience)
         self.best_adapter: dict[str, torch.Tensor] | None = None
@@ -176,11 +177,7 @@ class FinetuneRecipe:
                                           reference=self.objective.has_reference and self.init_adapter is not None)
         self.init_adapter = None  # copied into the shards
         self.params = trainable_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.learning_rate,
-                                           weight_decay=cfg.train.weight_decay)
-        self.scheduler = get_scheduler(schedule_name(cfg.train.lr_schedule, cfg.train.warmup_steps), self.optimizer,
-                                       num_warmup_steps=cfg.train.warmup_steps,
-                                       num_training_steps=cfg.train.max_steps)
+        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.train)
 
     def start_fresh(self) -> None:
         figures = self.evaluate() if self.cfg.train.eval_on_start else {}
@@ -196,6 +193,7 @@ class FinetuneRecipe:
         self.state, self.best_adapter = state, best_adapter
         self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **state.best)
         self.scheduler.load_state_dict(state.scheduler)
+        follow_config(self.optimizer, self.scheduler, cfg.train)
         self.step, self.train_loss, self.stopped_early = state.step, state.train_loss, state.stopped_early
         self.tracker.log_metrics({"resumed_from_step": state.step}, step=state.step, once_per_step=False)
 
@@ -265,7 +263,7 @@ class FinetuneRecipe:
             loss.backward()
             sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
         grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
-        learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -308,7 +306,7 @@ class FinetuneRecipe:
             self.generations = generation_table(self.model, objective.prompts(self.eval_pass()), self.tokenizer,
                                                 cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
             figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
-        self.eval_loss, self.eval_figures = figures.get("eval_loss"), figures
+        self.eval_loss, self.eval_figures, self.eval_step = figures.get("eval_loss"), figures, step
         return figures
 
     def rank_evaluation(self, step: int) -> bool:
@@ -334,14 +332,22 @@ class FinetuneRecipe:
                                 cfg.train.sample_max_new_tokens, self.ctx.device, "train.sample_max_new_tokens")
 
     def save_checkpoint(self, step: int, summary: dict[str, float] | None = None) -> None:
-        """A sharded checkpoint, reported with the step's figures (with `summary`, the run's: the driver
-        reads it from Ray Train, not from MLflow)."""
+        """A sharded checkpoint (with train.checkpoint_adapter, the PEFT adapter of the step in its `adapter/`),
+        reported with the step's figures: its evaluation's, if it had one (a sweep's scheduler ranks by them),
+        and with `summary` the run's (the driver reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.pass_index, self.batches.rows_into_pass, self.scheduler.state_dict(),
                                 self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early)
+        adapter = gather_trainable_state(self.model) if self.cfg.train.checkpoint_adapter else None
+        evaluation = self.eval_figures if self.eval_step == step else {}
+
+        def write(directory: Path) -> None:
+            save_training_state(directory, self.model, self.optimizer, position, self.ctx.device, self.best_adapter,
+                                self.batches.state())
+            if adapter is not None and self.ctx.is_main:
+                save_adapter(self.model, adapter, directory / "adapter", self.tokenizer, self.cfg.to_yaml())
+
         t_save = time.perf_counter()
-        self.checkpoints.save(lambda d: save_training_state(d, self.model, self.optimizer, position, self.ctx.device,
-                                                            self.best_adapter, self.batches.state()),
-                              {"step": step, "train_loss": self.train_loss, **(summary or {})})
+        self.checkpoints.save(write, {"step": step, "train_loss": self.train_loss, **evaluation, **(summary or {})})
         self.save_seconds = time.perf_counter() - t_save
         self.tracker.log_metrics({"checkpoint_save_seconds": self.save_seconds}, step)
 
@@ -380,11 +386,6 @@ class FinetuneRecipe:
                   if v is not None and math.isfinite(v) and not k.startswith("startup_")}
         self.tracker.log_metrics(finite, self.step, once_per_step=False)
         return summary
-
-
-def schedule_name(lr_schedule: str, warmup_steps: int) -> str:
-    """transformers' name for the schedule: its plain `constant` ignores warm-up steps."""
-    return "constant_with_warmup" if lr_schedule == "constant" and warmup_steps else lr_schedule
 
 
 def _real_tokens(micro_batches: list[dict]) -> torch.Tensor:

@@ -14,6 +14,7 @@ RAY_MODULES = {
     "app.launch.data_build",  # Ray Data, the pass coordinator actor
     "app.launch.trainer",  # the TorchTrainer
     "app.launch.rollout_group",  # GRPO's rollout actors and reward tasks
+    "app.launch.tuning",  # Ray Tune: a sweep's trials, schedulers and books
     "app.launch.rank",  # Ray Train's context, checkpoints and preemption notices inside a worker
     "app.launch.recording",  # the Ray job id, for the MLflow run's tags
     "app.launch.console",  # quiets Ray's own loggers

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from app.config.loading import load_config
 from app.errors import UserInputError
-from jobs import export, finetune, plan, serve, submit, sync
+from jobs import export, finetune, plan, serve, submit, sync, tune
 from tests.helpers import EMBEDDED_CONFIG
 
-COMMANDS = {"finetune": finetune, "export": export, "plan": plan, "serve": serve, "submit": submit, "sync": sync}
+COMMANDS = {"finetune": finetune, "export": export, "plan": plan, "serve": serve, "submit": submit, "sync": sync,
+            "tune": tune}
 OUTCOMES: dict[str, Counter] = {name: Counter() for name in COMMANDS}
 WORDS = st.sampled_from(["", "-", "--", "=", "x=y", "demo=models:/demo/1", "0", "-1", "nan", "inf", "1e999", "0x1",
                          "65536", "127.0.0.1", "0.0.0.0", "::1", "jobs/configs/embedded.yaml", "/nonexistent",
@@ -37,9 +38,10 @@ def flags_of(module) -> list[str]:
                   | {c for group in commands for c in group.split(",")})
 
 
+# half the cases start with what the command needs, so the rest reaches its checks
 REQUIRED = {"finetune": ["--config", str(EMBEDDED_CONFIG)], "export": ["--run", "r", "--out", "/nonexistent/out"],
             "plan": ["--config", str(EMBEDDED_CONFIG)], "serve": ["--adapter", "demo=run"], "submit": ["submit"],
-            "sync": ["run"]}  # half the cases start with what the command needs, so the rest reaches its checks
+            "sync": ["run"], "tune": ["--config", str(EMBEDDED_CONFIG), "--space", "lora.r=choice(8,16)"]}
 
 
 def argv_for(name: str):
@@ -72,6 +74,9 @@ def checks(name: str, args, tmp_path) -> None:
         load_config(args.config, args.overrides)
     elif name in ("finetune", "plan", "sync"):
         load_config(args.config, args.overrides)
+    elif name == "tune":
+        tune.sweep_config(args)
+        tune.sweep_name(args)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -95,3 +95,19 @@ def test_a_sweep_takes_the_credentials_out_of_the_servers_uri_before_recording_i
         [MlflowClient(f"file://{file_store}").get_experiment_by_name("embedded-demo").experiment_id])
     assert parent.info.run_name == "s1" and parent.info.status == "FINISHED"
     assert not [f for f in file_store.rglob("*") if f.is_file() and PASSWORD.encode() in f.read_bytes()]
+
+
+def test_a_tune_sweep_is_checked_here_then_submitted_as_one_job_with_its_name_pinned(jobs_api, one_line_error,
+                                                                                        closed_address, capsys):
+    """`jobs.submit tune -- FLAGS`: a value no trial could run with is refused before the cluster is contacted;
+    a good sweep becomes one `python -m jobs.tune` job whose submission id is the sweep's name (the Jobs API is
+    a stand-in: the Ray Tune side is tests/integration/test_tune.py)."""
+    err = one_line_error(main, ["--address", closed_address, "tune", "--", "--config", EMBEDDED_CONFIG,
+                                "--space", "lora.r=choice(8,0)"])
+    assert "tune.space lora.r=choice(8,0) at 0: lora.r: Input should be greater than 0" in err
+    assert main(["tune", "--", "--config", str(EMBEDDED_CONFIG), "--space", "lora.r=choice(8,16)",
+                 "--scheduler", "asha"]) == 0
+    [job] = jobs_api.submitted
+    assert job["entrypoint"].startswith("python -m jobs.tune --config ") and "--scheduler asha" in job["entrypoint"]
+    assert job["entrypoint"].endswith(f"--name {job['submission_id']}") and job["submission_id"].startswith("tune-")
+    assert capsys.readouterr().out.strip() == job["submission_id"]

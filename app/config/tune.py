@@ -77,7 +77,8 @@ class TuneSection(Section):
     evaluations at every train.eval_every; a scheduler stops the trials that fall behind (asha) or copies the
     best trials' checkpoints into the worst with perturbed settings (pbt)."""
 
-    space: dict[str, str] = Field({}, description="config key -> distribution: grid(a,b,...) (every value), "
+    space: dict[str, str] = Field({}, description="config key -> distribution: grid(a,b,...) (every value, in "
+                                  "a random order: tune.seed), "
                                   "choice(a,b,...), uniform(lo,hi), loguniform(lo,hi), randint(lo,hi) (hi "
                                   "exclusive), e.g. "
                                   "{train.learning_rate: loguniform(1e-4,3e-3), lora.r: choice(8,16,32)}")
@@ -100,7 +101,8 @@ class TuneSection(Section):
                                      "and are copied (top)")
     perturb: list[str] = Field([], description=f"pbt: the keys of tune.space it may change mid-run "
                                f"({', '.join(PERTURBABLE)}); its values are resampled or scaled by 0.8/1.2")
-    seed: int | None = Field(None, description="seeds the sampling of the space (None: a new sweep each time)")
+    seed: int | None = Field(None, description="seeds the sampling of the space and the order of a grid's values "
+                             "(None: a new sweep each time)")
 
     @field_validator("space")
     @classmethod

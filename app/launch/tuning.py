@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +78,15 @@ def trial_config(sweep: Sweep, values: dict, trial_id: str) -> FinetuneConfig:
 
 
 def search_space(cfg: FinetuneConfig) -> dict:
-    """tune.space as Ray Tune's domains."""
+    """tune.space as Ray Tune's domains; a grid's values in a random order (tune.seed): ASHA compares each trial
+    with those that reached a rung before it, and a grid written from worst to best would let every one pass."""
+    order = random.Random(cfg.tune.seed)
+
     def domain(dimension):
-        if dimension.kind in ("grid", "choice"):
-            return (tune.grid_search if dimension.kind == "grid" else tune.choice)(list(dimension.values))
+        if dimension.kind == "grid":
+            return tune.grid_search(order.sample(dimension.values, len(dimension.values)))
+        if dimension.kind == "choice":
+            return tune.choice(list(dimension.values))
         return getattr(tune, dimension.kind)(*dimension.values)
 
     return {key: domain(dimension) for key, dimension in cfg.tune.dimensions().items()}

@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, kind in FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", type=kind, help=f"tune.{flag}")
     parser.add_argument("--perturb", action="append", metavar="KEY", help="tune.perturb: a key PBT may change")
+    parser.add_argument("--synchronous", action="store_true", help="tune.synchronous: PBT's trials wait for each other")
     parser.add_argument("--name", help="the sweep's name (its folder, MLflow parent run); default tune-CONFIG-TIME")
     parser.add_argument("--resume", metavar="NAME", help="continue this stopped sweep (its recorded config)")
     parser.add_argument("--verbose", action="store_true", help="show Ray's own lines and Tune's progress table")
@@ -57,6 +58,8 @@ def sweep_config(args: argparse.Namespace) -> FinetuneConfig:
     overrides += [f"tune.{flag}={getattr(args, flag)}" for flag in FLAGS if getattr(args, flag) is not None]
     if args.perturb:
         overrides.append(f"tune.perturb={json.dumps(args.perturb)}")
+    if args.synchronous:
+        overrides.append("tune.synchronous=true")
     if args.space:
         space = file_space(args.config)
         for item in args.space:
@@ -100,6 +103,9 @@ def tune_sweep(args: argparse.Namespace) -> int:
 
     if args.resume and not cfg.output.run(name).exists("sweep.json"):
         raise UserInputError(f"--resume {name}: no sweep of that name under {cfg.train.output_dir}")
+    if args.resume and not cfg.output.run(name).exists("tuner.pkl"):
+        raise UserInputError(f"--resume {name}: it was stopped before Ray Tune saved its state; start it again "
+                             "under another --name")
     if not args.resume:
         if cfg.output.run(name).exists():
             raise UserInputError(f"--name {name}: {cfg.output.run(name).root} exists; choose another name, or "

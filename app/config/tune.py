@@ -99,6 +99,9 @@ class TuneSection(Section):
                                               "decisions (a multiple of train.eval_every); None: train.eval_every")
     quantile_fraction: float = Field(0.25, gt=0.0, le=0.5, description="pbt: the share of trials that copy (bottom) "
                                      "and are copied (top)")
+    synchronous: bool = Field(False, description="pbt: every trial waits at each decision until all have reached "
+                              "it, so each decision ranks the whole population (a trial that waits is paused and "
+                              "restarted from its checkpoint); otherwise each trial decides on the others' latest")
     perturb: list[str] = Field([], description=f"pbt: the keys of tune.space it may change mid-run "
                                f"({', '.join(PERTURBABLE)}); its values are resampled or scaled by 0.8/1.2")
     seed: int | None = Field(None, description="seeds the sampling of the space and the order of a grid's values "

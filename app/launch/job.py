@@ -55,7 +55,7 @@ class TrialLink:
     stops or pauses trains no step past the report)."""
 
     train_run_name: str
-    restore_from: str | None = None
+    restore_from: object = None  # a ray.tune.Checkpoint (its path and filesystem: local, NFS or an object store)
     copied_step: int | None = None  # the step of another trial's checkpoint it starts from: logged anew after it
     reports: object = None  # ray.util.queue.Queues: filled by app/launch/trainer.py's TrialReports callback,
     go_on: object = None  # and by the trial function once Ray Tune has taken the report

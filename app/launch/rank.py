@@ -45,8 +45,9 @@ class RayCheckpoints:
     def restore(self, load) -> TrainerState | None:
         """The latest checkpoint of this Ray Train run, else the one the run was told to start from."""
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None and self.trial is not None and self.trial.restore_from is not None:
-            checkpoint = ray.train.Checkpoint(self.trial.restore_from)
+        start = self.trial.restore_from if self.trial is not None else None
+        if checkpoint is None and start is not None:
+            checkpoint = ray.train.Checkpoint(start.path, start.filesystem)
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as directory:
@@ -60,7 +61,9 @@ class RayCheckpoints:
                 self.before_report()
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
         if self.trial is not None and self.is_main:  # the other ranks wait in the next step's collectives
-            self.trial.go_on.get(timeout=TRIAL_DECISION_SECONDS)
+            # a token for an earlier step is one its group's previous attempt did not take (a restart)
+            while self.trial.go_on.get(timeout=TRIAL_DECISION_SECONDS) < metrics["step"]:
+                pass
 
     def preemption_deadline(self) -> float | None:
         """Ray Train's notice that a node of this group is draining for preemption (a node's SIGTERM, which
@@ -103,7 +106,10 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
         from app.tracking.logger import RunLogger  # start-up: rank 0 only
 
         tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir,
-                            logged_through=launch.trial.copied_step if launch.trial else None)
+                            # a PBT copy's first start logs its steps after the copied one anew; a restart of
+                            # the group from its own later checkpoint replays what it logged
+                            logged_through=launch.trial.copied_step if launch.trial and
+                            ray.train.get_checkpoint() is None else None)
     else:
         tracker = NoTracking()
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None

@@ -66,8 +66,8 @@ def train_on_workers(trainer: TorchTrainer, data: Future) -> dict:
 
 
 class TrialReports(UserCallback):
-    """A sweep trial's reports on their way to Ray Tune: each (rank 0's figures, and the checkpoint's path) goes
-    onto the trial's queue, where app/launch/tuning.py hands it to `tune.report` with the checkpoint, so that a
+    """A sweep trial's reports on their way to Ray Tune: each (rank 0's figures with the checkpoint's path, and
+    the checkpoint) goes onto the trial's queue, where app/launch/tuning.py hands it to `tune.report`, so that a
     scheduler can stop the trial on it and PBT can copy the checkpoint into another trial. (Ray's own
     TuneReportCallback passes the figures only, and PBT needs the checkpoints.)"""
 
@@ -75,4 +75,4 @@ class TrialReports(UserCallback):
         self.reports = reports
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        self.reports.put({**metrics[0], "checkpoint_path": checkpoint.path if checkpoint else None})
+        self.reports.put(({**metrics[0], "checkpoint_path": checkpoint.path if checkpoint else None}, checkpoint))

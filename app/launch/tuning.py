@@ -95,7 +95,10 @@ def search_space(cfg: FinetuneConfig) -> dict:
 def scheduler_for(cfg: FinetuneConfig):
     settings, every = cfg.tune, cfg.train.eval_every
     if settings.scheduler == "asha":
-        return ASHAScheduler(time_attr="step", max_t=cfg.train.max_steps, grace_period=settings.grace_period or every,
+        dimensions = settings.dimensions()  # the longest a trial may train, where train.max_steps is swept too
+        longest = max(dimensions["train.max_steps"].extremes()) if "train.max_steps" in dimensions else None
+        return ASHAScheduler(time_attr="step", max_t=longest or cfg.train.max_steps,
+                             grace_period=settings.grace_period or every,
                              reduction_factor=settings.reduction_factor)
     if settings.scheduler == "pbt":
         space, dimensions = search_space(cfg), settings.dimensions()
@@ -103,7 +106,7 @@ def scheduler_for(cfg: FinetuneConfig):
                      for key in settings.perturb}  # PBT steps between a grid's values
         return PopulationBasedTraining(time_attr="step", perturbation_interval=settings.perturbation_interval or every,
                                        hyperparam_mutations=mutations,
-                                       quantile_fraction=settings.quantile_fraction)
+                                       quantile_fraction=settings.quantile_fraction, synch=settings.synchronous)
     return FIFOScheduler()
 
 
@@ -118,19 +121,20 @@ def run_trial(values: dict, sweep: Sweep) -> None:
     resume = cfg.run_dir.has_record()
     copied_step = note_lineage(cfg, start) if start is not None and resume else None
     part = cfg.train.run_name if start is None else f"{cfg.train.run_name}.part-{uuid.uuid4().hex[:6]}"
-    link = TrialLink(part, start.path if start is not None else None, copied_step,
-                     Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0}))
+    link = TrialLink(part, start, copied_step, Queue(actor_options={"num_cpus": 0}),
+                     Queue(actor_options={"num_cpus": 0}))
     training = in_background("trial", run_finetune, cfg, resume, False, None, link)
     training.add_done_callback(lambda _: link.reports.put(None))
-    while (report := link.reports.get()) is not None:
+    while (item := link.reports.get()) is not None:
+        report, checkpoint = item
         last = FINISHED in report
         if last:  # the run records itself first: Ray Tune may end this process on its last report
-            link.go_on.put(True)
+            link.go_on.put(report["step"])
             training.result()
-        path = report["checkpoint_path"]
-        tune.report(report, checkpoint=tune.Checkpoint(path) if path else None)  # returns if the trial goes on
-        if not last:
-            link.go_on.put(True)
+        if last or sweep.metric in report:  # not a drain's checkpoint between evaluations: nothing to rank
+            tune.report(report, checkpoint=checkpoint and tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
+        if not last:  # tune.report returned: the scheduler lets the trial go on
+            link.go_on.put(report["step"])
     training.result()  # the run's own error, if it failed
 
 
@@ -171,7 +175,7 @@ class TrialBook(tune.Callback):
             return  # never reported, or trained to its end: its run ended itself
         cfg = trial_config(self.sweep, result["config"], trial.trial_id)
         checkpoint = result.get("checkpoint_path")
-        adapter = Path(checkpoint) / "adapter" if checkpoint and "://" not in checkpoint else None
+        adapter = Path(checkpoint) / "adapter" if checkpoint and Path(checkpoint).is_absolute() else None  # local
         sweep_runs.end_stopped_trial(cfg, cfg.run_dir.recorded_mlflow_run_id(), int(result["step"]),
                                      self.sweep.cfg.tune.scheduler, adapter)
 
@@ -256,8 +260,8 @@ def run_sweep(cfg: FinetuneConfig, name: str, resume: bool = False, verbose: boo
         status = "KILLED" if sweep_runs.end_interrupted_trials(sweep.cfg, name) else "FINISHED"
         best = best_row(sweep, rows)
         sweep_runs.log_comparison(tracking_uri, sweep.parent_run_id, rows, sweep.metric, best)
-    except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C: Ray Tune stops at once
-        status = "KILLED"
+    except BaseException as e:  # a second Ctrl-C (Ray Tune stops at once), or Tune's own failure
+        status = "FAILED" if isinstance(e, Exception) else "KILLED"
         sweep_runs.end_interrupted_trials(sweep.cfg, name)
         raise
     finally:
@@ -267,7 +271,8 @@ def run_sweep(cfg: FinetuneConfig, name: str, resume: bool = False, verbose: boo
 
 def sweep_summary(sweep: Sweep, rows: list[dict], best: dict | None, status: str) -> dict:
     """What the sweep found and what it spent: the steps its trials trained against every trial to the end."""
-    spent, full = sum(r["steps"] for r in rows), len(rows) * sweep.cfg.train.max_steps
+    spent = sum(r["steps"] for r in rows)
+    full = sum(r.get("train.max_steps", sweep.cfg.train.max_steps) for r in rows)
     keys = list(sweep.cfg.tune.space)
     return {"sweep": sweep.name, "status": status, "parent_run_id": sweep.parent_run_id,
             "tracking_uri": sweep.cfg.mlflow.tracking_uri, "experiment": sweep.cfg.mlflow.experiment,

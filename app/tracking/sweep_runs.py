@@ -75,9 +75,13 @@ def end_interrupted_trials(cfg: FinetuneConfig, sweep: str) -> list[str]:
     """The trials' runs a stopped sweep (Ctrl-C, `ray job stop`) left RUNNING, reported or not, ended KILLED and
     tagged `tune.interrupted`; --resume continues them. Returns their names."""
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
-    running = client.search_runs([experiment.experiment_id], f"tags.sweep = '{sweep}' and attributes.status = "
-                                 "'RUNNING' and tags.`mlflow.parentRunId` != ''") if experiment else []
+    try:
+        experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+        running = client.search_runs([experiment.experiment_id], f"tags.sweep = '{sweep}' and attributes.status = "
+                                     "'RUNNING' and tags.`mlflow.parentRunId` != ''") if experiment else []
+    except Exception as e:
+        warn(f"MLflow: the sweep's trial runs were not read ({first_line(e, 200)}); any left RUNNING stay so")
+        return []
     for run in running:
         client.set_tag(run.info.run_id, "tune.interrupted", "true")
         finish_run(cfg.mlflow.tracking_uri, run.info.run_id, "KILLED", cfg.output.run(run.info.run_name))
@@ -97,7 +101,13 @@ def record_lineage(tracking_uri: str, run_id: str, origin: str, step: int, chang
 def log_comparison(tracking_uri: str, parent_id: str, trials: list[dict], metric: str, best: dict | None) -> None:
     """On the parent: the trials' table (params and figures, for MLflow's compare view), each trial's curve of
     `metric` in one plot, and the best trial's run and adapter as tags."""
-    client = MlflowClient(tracking_uri)
+    try:
+        _log_comparison(MlflowClient(tracking_uri), parent_id, trials, metric, best)
+    except Exception as e:  # the trials' own runs hold every figure; the comparison is a view of them
+        warn(f"MLflow: the sweep's comparison was not logged ({first_line(e, 200)})")
+
+
+def _log_comparison(client: MlflowClient, parent_id: str, trials: list[dict], metric: str, best: dict | None) -> None:
     columns = sorted({k for t in trials for k in t})
     client.log_table(parent_id, data={c: [t.get(c) for t in trials] for c in columns}, artifact_file="tune/trials.json")
     client.log_image(parent_id, curves_plot(client, trials, metric), artifact_file="tune/curves.png")

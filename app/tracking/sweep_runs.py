@@ -12,12 +12,12 @@ import json
 import math
 from pathlib import Path
 
-from mlflow.entities import RunTag
+from mlflow.entities import Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
 from app.errors import first_line, warn
-from app.tracking.logger import bound_http_calls
+from app.tracking.logger import MAX_PARAM_CHARS, bound_http_calls
 from app.tracking.mlflow_run import finish_run, get_or_create_experiment
 
 
@@ -29,8 +29,7 @@ def open_parent_run(cfg: FinetuneConfig, sweep: str) -> str:
     run = client.create_run(experiment_id, run_name=sweep, tags={"sweep": sweep, "sweep.role": "parent"})
     params = {f"tune.{k}": json.dumps(v) if isinstance(v, (dict, list)) else str(v)
               for k, v in cfg.tune.model_dump().items()} | {f"space.{k}": v for k, v in cfg.tune.space.items()}
-    for key, value in params.items():
-        client.log_param(run.info.run_id, key, value)
+    client.log_batch(run.info.run_id, params=[Param(key, value[:MAX_PARAM_CHARS]) for key, value in params.items()])
     return run.info.run_id
 
 

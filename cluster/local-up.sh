@@ -39,6 +39,10 @@ export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30}
 # Ray Train asks the state API (this dashboard) whether a run's controller lives; named here, it never has
 # to guess among several Ray clusters on one machine (it prints a traceback every few seconds when it does).
 export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
+# Every process of this stack carries this id (Ray passes its environment on): local-down.sh finds by it
+# what the stack started and left without a parent, and nothing else.
+FINETUNE_STACK_ID=$("$BIN/python" -c 'import uuid; print(uuid.uuid4().hex)')
+export FINETUNE_STACK_ID
 "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" --temp-dir="$RAY_TMP" \
   --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
   --dashboard-agent-listen-port="$AGENT_PORT" --ray-client-server-port="$CLIENT_PORT" \
@@ -59,9 +63,9 @@ done
 curl -sf "http://127.0.0.1:$MLFLOW_PORT/health" >/dev/null || { echo "MLflow did not start: $STACK_DIR/mlflow.log" >&2; exit 1; }
 
 # What local-down.sh may stop: these processes (pid and start time, so a reused pid is never hit) and
-# the processes they start later. Ray's client server names no temp dir: it is found by its port.
+# the processes they start later (by the stack's id). Ray's client server names no temp dir: it is found by its port.
 "$BIN/python" "$(dirname "$0")/stop_processes.py" record --out "$STACK_DIR/processes.json" \
-  --pid "$MLFLOW_PID" --cmdline "$RAY_TMP" --cmdline="--port=$CLIENT_PORT --mode=proxy"
+  --stack-id "$FINETUNE_STACK_ID" --pid "$MLFLOW_PID" --cmdline "$RAY_TMP" --cmdline="--port=$CLIENT_PORT --mode=proxy"
 
 cat <<MSG
 Ray head:       127.0.0.1:$RAY_PORT  (Jobs API and dashboard: http://127.0.0.1:$DASHBOARD_PORT; token in $TOKEN_FILE)

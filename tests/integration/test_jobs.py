@@ -244,9 +244,10 @@ def test_local_down_stops_the_stack_and_nothing_else(stack):
                               capture_output=True, text=True)
         assert down.returncode == 0 and "stopped; data kept in" in down.stdout, down.stdout + down.stderr
         assert decoy.poll() is None
-        left = [p.pid for p in psutil.process_iter(["cmdline"])
+        left = [f'{p.pid} (parent {p.info["ppid"]}): {" ".join(p.info["cmdline"])[:300]}'
+                for p in psutil.process_iter(["cmdline", "ppid"])
                 if stack["raytmp"] in " ".join(p.info["cmdline"] or []) and p.pid != decoy.pid]
-        assert left == []
+        assert left == [], "\n".join(left)
         for name in ("RAY_PORT", "DASHBOARD_PORT", "CLIENT_PORT", "MLFLOW_PORT"):  # Ray's client server included,
             with pytest.raises(OSError):  # whose command line names no temp dir
                 socket.create_connection(("127.0.0.1", int(stack["up_env"][name])), timeout=5).close()

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 SHAPES = Path(__file__).resolve().parent / "shapes"
+# the job as its users run it: checkpointing, compile and micro-batch chosen by the plan (docs/performance.md)
+AUTO_CHOICES = ["model.gradient_checkpointing=auto", "model.compile=auto", "train.micro_batch_size=auto"]
 DEFAULT_OUT = "outputs/benchmark"
 
 
@@ -35,7 +37,10 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     flags = ["--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),
              "--accum", str(cfg.grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype, "--dtype", cfg.model.dtype,
              "--lora-r", str(cfg.lora.r), "--loss-chunk-tokens", str(cfg.train.loss_chunk_tokens)]
-    flags += [] if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
+    if cfg.model.gradient_checkpointing == "auto" or cfg.model.compile == "auto":
+        raise ValueError("benchmarks/step.py takes resolved settings: give gradient_checkpointing and compile")
+    flags += ["--checkpoint-every-n-layers", str(cfg.model.checkpoint_every_n_layers)] \
+        if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
     flags += ["--cpu-offload"] if cfg.fsdp.cpu_offload else []
     flags += ["--compile"] if cfg.model.compile else []

@@ -25,7 +25,8 @@ MODES = {"a_job": "(a) job", "b_torchrun_baseline": "(b) torchrun baseline", "c_
 
 
 def compare(config: str, overrides: list[str], steps: int, out: Path) -> dict:
-    overrides = [*overrides, f"train.max_steps={steps}", f"train.run_name=bench-{time.strftime('%Y%m%d-%H%M%S')}"]
+    overrides = ["model.gradient_checkpointing=false", "model.compile=false",  # as given to all three; yours win
+                 *overrides, f"train.max_steps={steps}", f"train.run_name=bench-{time.strftime('%Y%m%d-%H%M%S')}"]
     cfg = load_config(config, overrides)
     workers = cfg.scaling.num_workers
     job = last_json_line([sys.executable, "-m", "jobs.finetune", "--config", config,

@@ -26,6 +26,7 @@ from benchmarks.common import DEFAULT_OUT, SHAPES, random_checkpoint, step_flags
 OPTIONS = {  # name -> config overrides (and so benchmarks/step.py flags)
     "fsdp, 2 workers": [],
     "no activation checkpointing": ["model.gradient_checkpointing=false"],
+    "checkpointing every 2nd layer": ["model.checkpoint_every_n_layers=2"],
     "no reshard after forward": ["fsdp.reshard_after_forward=false"],
     "cpu offload (GPU only)": ["fsdp.cpu_offload=true", "scaling.use_gpu=true"],
     "hsdp [2 replicas x 1]": ["scaling.mesh=[2,1]"],
@@ -37,6 +38,7 @@ OPTIONS = {  # name -> config overrides (and so benchmarks/step.py flags)
 def memory(model_config: str, only: list[str] | None, out: Path, steps: int = 3, seq_len: int = 512) -> dict:
     model_dir = random_checkpoint(model_config, out)
     base = [f"model.path={model_dir}", "model.load=sharded", "fsdp.param_dtype=float32", f"data.max_seq_len={seq_len}",
+            "model.gradient_checkpointing=true", "model.compile=false",  # each option as given, not auto
             "train.micro_batch_size=2", "train.global_batch_size=4", "scaling.num_workers=2"]
     rows = []
     for name, overrides in OPTIONS.items():

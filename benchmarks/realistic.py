@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import SHAPES, last_json_line, random_checkpoint, torchrun, write_and_log
+from benchmarks.common import AUTO_CHOICES, SHAPES, last_json_line, random_checkpoint, torchrun, write_and_log
 
 MODES = {"a_packed": "(a) job, packed", "a_prime_unpacked": "(a') job, one record per row",
          "a_prime_equal_tokens": "(a') with as many real tokens per step as (a)", "b_seed_loop": "(b) seed loop",
-         "c_step_only": "(c) step only", "p_trl_sft": "(p) TRL SFTTrainer, FSDP2"}
+         "c_step_only": "(c) step only", "p_trl_sft": "(p) TRL SFTTrainer, FSDP2",
+         "a_auto": "(A) job, packed, auto choices", "p_trl_defaults": "(P) TRL SFTTrainer, its defaults"}
 
 
 def long_tailed_chats(count: int, seed: int) -> list[dict]:
@@ -108,6 +109,13 @@ def eval_loss_at(curve: dict, target_tokens_per_step: list[float], target_tokens
     return float(np.interp(target_tokens, [seen[s] for s in steps], [curve[s] for s in steps]))
 
 
+def eval_loss_comparison(job_run: dict, other: dict, mode: str) -> dict:
+    """The other mode's final eval loss and the job's at the same target tokens (read on its curve)."""
+    tokens = sum(other["target_tokens_per_step"])
+    at = eval_loss_at(job_run["eval_loss_by_step"], job_run["target_tokens_per_step"], tokens)
+    return {"target_tokens": tokens, mode: other["final_eval_loss"], "job": at}
+
+
 def run(args) -> dict:
     from app.model.hardware import has_fast_bf16
 
@@ -124,45 +132,55 @@ def run(args) -> dict:
     # (a) runs half as many steps again, evaluating after each (a constant rate: its first steps are the
     # same), so its eval loss can be read at the target tokens the others reached
     steps_a = math.ceil(1.5 * args.steps)
-    settings = {"a_packed": ("true", args.global_batch, args.micro_batch, steps_a, 1),
-                "a_prime_unpacked": ("false", args.global_batch, args.micro_batch, args.steps, args.steps),
-                "a_prime_equal_tokens": ("false", rows_for_equal_tokens,
-                                         math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch), args.steps,
-                                         args.steps)}
+    matched = ["model.gradient_checkpointing=false", "model.compile=false",  # the settings the others run with
+               f"train.micro_batch_size={args.micro_batch}"]
+    settings = {"a_packed": ("true", args.global_batch, matched, steps_a, 1),
+                "a_auto": ("true", args.global_batch, AUTO_CHOICES, steps_a, 1),  # (A): what the job picks for itself
+                "a_prime_unpacked": ("false", args.global_batch, matched, args.steps, args.steps),
+                "a_prime_equal_tokens": ("false", rows_for_equal_tokens, [
+                    "model.gradient_checkpointing=false", "model.compile=false",
+                    f"train.micro_batch_size={math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch)}"],
+                    args.steps, args.steps)}
     result = {"seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch, "steps": args.steps,
               "dtype": "bfloat16" if has_fast_bf16(__import__("torch").device("cpu")) else "float32",
-              "real_tokens_per_row": per_row}
-    for mode, (packing, rows, micro, steps, eval_every) in settings.items():
-        result[mode] = job([*common, f"data.packing={packing}", f"train.global_batch_size={rows}",
-                            f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
-                            f"train.eval_every={eval_every}", f"train.checkpoint_every={steps}",
-                            f"train.run_name=realistic-{mode}-{stamp}"])
+              "real_tokens_per_row": per_row, "modes": args.modes}
+    for mode, (packing, rows, choices, steps, eval_every) in settings.items():
+        if mode not in args.modes:
+            continue
+        result[mode] = job([*common, *choices, f"data.packing={packing}", f"train.global_batch_size={rows}",
+                            f"train.max_steps={steps}", f"train.eval_every={eval_every}",
+                            f"train.checkpoint_every={steps}", f"train.run_name=realistic-{mode}-{stamp}"])
         result[mode]["global_batch_rows"] = rows
     warmup = str(min(2, args.steps - 1))  # steps left out of the torchrun modes' throughput
-    result["b_seed_loop"] = torchrun(2, "benchmarks.baseline", "--model-path", str(model), "--data", str(train),
-                                     "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-                                     "--global-batch", str(args.global_batch), "--steps", str(args.steps),
-                                     "--dtype", result["dtype"], "--warmup", warmup)
-    result["c_step_only"] = torchrun(2, "benchmarks.step", "--model-path", str(model), "--load", "full",
-                                     "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-                                     "--micro-batch", str(args.micro_batch),
-                                     "--accum", str(args.global_batch // (2 * args.micro_batch)),
-                                     "--no-activation-checkpointing", "--warmup", warmup)
-    result["p_trl_sft"] = torchrun(2, "benchmarks.trl_sft", "--model-path", str(model), "--train", str(train),
-                                   "--eval", str(evals), "--seq-len", str(args.seq_len),
-                                   "--micro-batch", str(args.global_batch // 2), "--steps", str(args.steps),
-                                   "--warmup", warmup, "--out", str(out / "trl"))
-    packed = result["a_packed"]
+    for mode, command in torchrun_modes(args, model, train, evals, out, result["dtype"], warmup).items():
+        if mode in args.modes:
+            result[mode] = torchrun(2, *command)
     speed = lambda mode: result[mode]["tokens_per_second_per_worker"]
-    result["real_tokens_per_second_a_over"] = {mode: speed("a_packed") / speed(mode) for mode in
-                                               ("a_prime_unpacked", "b_seed_loop", "c_step_only", "p_trl_sft")}
-    for mode in ("a_prime_equal_tokens", "p_trl_sft"):
-        other = result[mode]
-        tokens = sum(other["target_tokens_per_step"])
-        result[f"eval_loss_vs_{mode}"] = {
-            "target_tokens": tokens, mode: other["final_eval_loss"],
-            "a_packed": eval_loss_at(packed["eval_loss_by_step"], packed["target_tokens_per_step"], tokens)}
+    comparisons = {"a_packed": ("a_prime_unpacked", "b_seed_loop", "c_step_only", "p_trl_sft"),
+                   "a_auto": ("p_trl_defaults", "p_trl_sft", "a_packed")}
+    for job_mode, others in [(mode, others) for mode, others in comparisons.items() if mode in result]:
+        result[f"real_tokens_per_second_{job_mode}_over"] = {m: speed(job_mode) / speed(m) for m in others
+                                                             if m in result}
+        for mode in [m for m in ("a_prime_equal_tokens", "p_trl_sft", "p_trl_defaults") if m in result]:
+            result[f"eval_loss_{job_mode}_vs_{mode}"] = eval_loss_comparison(result[job_mode], result[mode], mode)
     return result
+
+
+def torchrun_modes(args, model: Path, train: Path, evals: Path, out: Path, dtype: str, warmup: str) -> dict:
+    """(b), (c), (p) and (P): the modes that run under torchrun, as module and flags."""
+    trl = ["benchmarks.trl_sft", "--model-path", str(model), "--train", str(train), "--eval", str(evals),
+           "--seq-len", str(args.seq_len), "--micro-batch", str(args.global_batch // 2), "--steps", str(args.steps),
+           "--warmup", warmup]
+    return {"b_seed_loop": ["benchmarks.baseline", "--model-path", str(model), "--data", str(train),
+                            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+                            "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+                            "--dtype", dtype, "--warmup", warmup],
+            "c_step_only": ["benchmarks.step", "--model-path", str(model), "--load", "full", "--steps", str(args.steps),
+                            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+                            "--accum", str(args.global_batch // (2 * args.micro_batch)),
+                            "--no-activation-checkpointing", "--warmup", warmup],
+            "p_trl_sft": [*trl, "--out", str(out / "trl")],
+            "p_trl_defaults": [*trl, "--out", str(out / "trl-defaults"), "--trl-defaults"]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -175,8 +193,9 @@ def plot(result: dict, path: Path) -> None:
     panels = {"tokens_per_second_per_worker": "real tokens/s per worker", "time_to_first_step_seconds":
               "time to first step (s)", "peak_memory_gb": "peak memory per worker (GiB)"}
     for ax, (key, label) in zip(axes, panels.items()):
-        ax.bar(["a", "a'", "a' eq.", "b", "c", "p"], [result[m].get(key) or 0 for m in MODES],
-               color=["C0", "C1", "C3", "C4", "C2", "C5"])
+        shown = [m for m in MODES if m in result]
+        ax.bar([MODES[m].split(" ")[0] for m in shown], [result[m].get(key) or 0 for m in shown],
+               color=[f"C{i}" for i in range(len(shown))])
         ax.set_title(label)
     fig.suptitle(f"long-tailed chat data, 125M shape, seq {result['seq_len']}, 2 workers, {result['steps']} steps  "
                  + "  ".join(MODES.values()), fontsize=9)
@@ -192,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--records", type=int, default=4000)
     parser.add_argument("--out", default="outputs/benchmark")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
+                        help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     args = parser.parse_args(argv)
     write_and_log(run(args), Path(args.out), "realistic", plot)
     return 0

@@ -60,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="stored dtype of the frozen base")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-every-n-layers", type=int, default=1, help="model.checkpoint_every_n_layers")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--quantization", choices=["none", "nf4"], default="none", help="model.quantization")
@@ -104,6 +105,7 @@ def build(args, device: torch.device):
     model_cfg = SimpleNamespace(path=args.model_path or os.path.dirname(os.path.abspath(args.model_config)),
                                 revision=None, trust_remote_code=False, dtype=args.dtype, load=args.load,
                                 gradient_checkpointing=not args.no_activation_checkpointing, compile=args.compile,
+                                checkpoint_every_n_layers=args.checkpoint_every_n_layers,
                                 attn_implementation=args.attn_implementation, quantization=args.quantization)
     lora_cfg = SimpleNamespace(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0, target_modules="all-linear",
                                use_dora=False, use_rslora=False)

@@ -19,6 +19,8 @@ no warm-up), gradient clipping 1.0, max length (prompt + answer) and compute dty
 bf16 units). The reference is the base with the adapter disabled on both sides. TRL runs under torchrun
 with gloo, `fsdp_config` version 2 (each decoder layer `fully_shard`ed via accelerate, as
 benchmarks/trl_sft.py does) and TRL's own chat-template tokenization and padding.
+With --defaults each side runs as its users run it instead: the job with its `auto` choices (checkpointing,
+compile and micro-batch from the plan), TRL with its defaults (activation checkpointing on).
 Figures per side: pairs per second per worker in the steady state (the first --warmup steps left out;
 the job's step times are read back from its MLflow step metrics), peak memory per worker (resident memory,
 app/train/progress.py's measure, the max over workers), and the held-out reward accuracy of the saved
@@ -53,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=2000, help="generated training pairs")
     p.add_argument("--eval-pairs", type=int, default=0, help="held-out pairs scored (0: all)")
     p.add_argument("--out", default="outputs/benchmark/dpo")
+    p.add_argument("--defaults", action="store_true", help="each side as its users run it: the job's auto choices "
+                   "(checkpointing, compile, micro-batch), TRL's defaults (checkpointing on); else matched settings")
+    p.add_argument("--trl-defaults", action="store_true", help=argparse.SUPPRESS)  # TRL's side of --defaults
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)  # the torchrun side
     return p.parse_args(argv)
 
@@ -104,7 +109,7 @@ def prepare(args) -> tuple[str, str, str]:
 
 def run_job(args, model: str, train: str, evals: str) -> dict:
     """The job, with its steady pairs/s per worker over the same steps as TRL's (from its MLflow steps)."""
-    from benchmarks.common import run_job_steadily
+    from benchmarks.common import AUTO_CHOICES, run_job_steadily
 
     overrides = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
                  f"data.max_seq_len={args.seq_len}", f"train.max_steps={args.steps}",
@@ -114,7 +119,8 @@ def run_job(args, model: str, train: str, evals: str) -> dict:
                  "train.sample_prompts=0", "eval.generation_rows=0", "fsdp.reshard_after_forward=true",
                  "scaling.num_workers=2", f"dpo.beta={args.beta}", "dpo.loss_type=sigmoid", f"lora.r={args.lora_r}",
                  f"lora.alpha={2 * args.lora_r}", "lora.dropout=0.0", "lora.target_modules=all-linear",
-                 f"train.run_name=trl-dpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
+                 f"train.run_name=trl-dpo-job-{time.strftime('%Y%m%d-%H%M%S')}",
+                 *(AUTO_CHOICES if args.defaults else ["model.gradient_checkpointing=false", "model.compile=false"])]
     summary, curve, steady, seconds = run_job_steadily("jobs/configs/embedded_dpo.yaml", overrides, args.warmup)
     pairs = curve("step_pairs")
     return {"pairs_per_second_per_worker": sum(pairs[s] for s in steady) / seconds / 2,
@@ -170,12 +176,14 @@ def main(argv=None) -> int:
     model, train, evals = prepare(args)
     result = {"model": model, "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup,
               "global_batch_pairs": args.global_batch, "micro_batch_pairs": args.micro_batch, "lr": args.lr,
-              "beta": args.beta, "lora_r": args.lora_r, "workers": 2}
+              "beta": args.beta, "lora_r": args.lora_r, "workers": 2,
+              "settings": "each side's defaults" if args.defaults else "matched"}
     result["job"] = run_job(args, model, train, evals)
     flags = ["--model-path", model, "--train", train, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
              "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
              "--warmup", str(args.warmup), "--lr", str(args.lr), "--beta", str(args.beta),
-             "--lora-r", str(args.lora_r), "--out", str(Path(args.out) / "trl"), "--trl-worker"]
+             "--lora-r", str(args.lora_r), "--out", str(Path(args.out) / "trl"), "--trl-worker",
+             *(["--trl-defaults"] if args.defaults else [])]
     result["trl"] = torchrun(2, "benchmarks.trl_dpo", *flags)
     for side in ("job", "trl"):
         held_out = reward_accuracy(model, result[side]["adapter"], evals, args.beta, args.eval_pairs)

@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--eval-rows", type=int, default=16)
     p.add_argument("--out", default="outputs/benchmark/trl")
+    p.add_argument("--trl-defaults", action="store_true", help="TRL's activation checkpointing default (on)")
     return p.parse_args(argv)
 
 
@@ -111,10 +112,12 @@ def trl_worker_start(model_path: str):
 
 def trainer_arguments(args: argparse.Namespace, layer_class: str, bf16: bool) -> dict:
     """The TrainingArguments the TRL benchmarks share: the job's optimisation (constant LR, no warm-up, clip
-    1.0), no checkpointing or logging integrations, FSDP2 over each decoder layer."""
+    1.0), no checkpointing or logging integrations, FSDP2 over each decoder layer; activation checkpointing off
+    as the job's benchmark runs have it, or with `--trl-defaults` TRL's own default (on), as its users run it."""
+    checkpointing = {} if getattr(args, "trl_defaults", False) else {"activation_checkpointing": False}
     return dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
                 learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                max_grad_norm=1.0, activation_checkpointing=False, bf16=bf16, use_cpu=True,
+                max_grad_norm=1.0, **checkpointing, bf16=bf16, use_cpu=True,
                 fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer_class],
                                         "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
                 logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=0,
@@ -236,6 +239,7 @@ def main(argv=None) -> None:
         real, target = counts[0].tolist(), counts[1].tolist()
         print(json.dumps({
             "world_size": world, "steps": args.steps, "dtype": "bfloat16" if bf16 else "float32",
+            "activation_checkpointing": bool(trainer.args.activation_checkpointing),
             "time_to_first_step_seconds": clock.step_ends[0] - T_START, "first_step_seconds": seconds[0],
             "first_step_at": time.time() - (time.perf_counter() - clock.step_ends[0]),  # wall clock
             "tokens_per_second_per_worker": sum(real[steady]) / sum(seconds[steady]) / world,

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
+
 from app.config.loading import load_config
 from app.errors import CommandParser, UserInputError, exit_code, first_line
 
@@ -50,25 +52,46 @@ def plan(args: argparse.Namespace) -> int:
                              "memory in GiB, e.g. 80)")
     cfg = load_config(args.config, args.overrides)
     from app.model.files import check_model_files
-    from app.model.memory_plan import format_plan, plan_memory
+    from app.model.memory_choices import resolve_memory_choices
+    from app.model.memory_plan import GiB, format_plan, plan_memory
 
     if args.model_config:
         check_model_config_file(args.model_config)
     else:
         check_model_files(cfg.model)
+    device_gb = args.device_memory_gb or cfg.scaling.device_memory_gb
     try:
-        memory = plan_memory(cfg, args.model_config)
+        budget = planning_budget(cfg, device_gb)
+        choices = budget and resolve_memory_choices(cfg, budget[0] * GiB, budget[1], config_file=args.model_config)
+        memory = choices.plan if choices else plan_memory(cfg, args.model_config)
     except UserInputError:
         raise
     except (OSError, ValueError) as e:  # the model's config unreadable, or the hub unreachable
         where = f"--model-config {args.model_config}" if args.model_config else f"model.path={cfg.model.path}"
         raise UserInputError(f"{where}: cannot read its config ({first_line(e)})") from None
+    reasons = choices.reasons if choices else {}
     if args.json:
         print(json.dumps({"device": memory.device, "host": memory.host, "device_total": memory.device_total,
-                          "base_params": memory.base_params, "lora_params": memory.lora_params}))
-    else:
-        print(format_plan(memory, args.device_memory_gb))
+                          "base_params": memory.base_params, "lora_params": memory.lora_params, "auto": reasons}))
+        return 0
+    print("\n".join([*(f"auto: {key}={why}" for key, why in reasons.items()),
+                     format_plan(memory, budget[0] if budget else None)]))
     return 0
+
+
+def planning_budget(cfg, device_gb: float | None) -> tuple[float, str] | None:
+    """(GiB, source) of one worker's memory to plan against: the given device memory, else (CPU workers) this
+    host's available memory shared by the workers; None for GPU workers with nothing given (no fit verdict)."""
+    if device_gb:
+        return device_gb, f"{device_gb:g} GiB per device"
+    if not cfg.scaling.use_gpu:
+        return psutil.virtual_memory().available / 2**30 / cfg.scaling.num_workers, "this host's memory per worker"
+    auto = [key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
+                                   ("train.micro_batch_size", cfg.train.micro_batch_size)) if value == "auto"]
+    if auto:
+        raise UserInputError(f"{auto[0]}=auto is resolved against one GPU's memory: give --device-memory-gb "
+                             "(e.g. 80) or scaling.device_memory_gb")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,11 @@ def min_workers_within_num_workers(scaling: ScalingSection) -> str | None:
 
 
 def global_batch_splits_over_every_group(train: TrainSection, scaling: ScalingSection) -> str | None:
-    """Every group size the run may train with takes whole micro-batches per rank per step."""
+    """Every group size the run may train with takes whole micro-batches per rank per step (with
+    train.micro_batch_size=auto, whole rows: the resolved size divides what each rank takes)."""
+    micro = 1 if train.micro_batch_size == "auto" else train.micro_batch_size
     for workers in scaling.worker_counts:
-        per_step = train.micro_batch_size * workers
+        per_step = micro * workers
         if train.global_batch_size % per_step == 0:
             continue
         if workers == scaling.num_workers:
@@ -168,7 +170,7 @@ def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, 
 
 
 def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str | None:
-    if model.quantization == "nf4" and (lora.use_dora or model.compile):
+    if model.quantization == "nf4" and (lora.use_dora or model.compile is True):  # auto resolves off
         key = "lora.use_dora" if lora.use_dora else "model.compile"
         return (f"{key}=true with model.quantization=nf4: not supported over a 4-bit base (DoRA needs the "
                 "dequantized weight's row norms; compiled NF4 layers are untried); turn one of them off")

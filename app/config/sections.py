@@ -6,7 +6,7 @@ app/config/loading.py."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -45,13 +45,22 @@ class ModelSection(Section):
                                     "you have reviewed it")
     dtype: AutoDType = Field("auto", description="dtype the frozen base weights are stored in; auto: bfloat16 on "
                              "GPUs and on CPUs with bf16 units (AVX-512 BF16, AMX), float32 elsewhere")
-    gradient_checkpointing: bool = Field(True, description="non-reentrant activation checkpointing: recompute "
-                                         "each layer in backward instead of keeping its activations")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="non-reentrant activation checkpointing: recompute checkpointed layers in backward "
+                            "instead of keeping their activations; auto: off where the memory plan fits the "
+                            "worker's memory without it, else on as few layers as fit (every n-th: "
+                            "checkpoint_every_n_layers), every layer where only that fits")
+    checkpoint_every_n_layers: int = Field(1, ge=1, description="with gradient_checkpointing: checkpoint every n-th "
+                                           "decoder layer only (selective; 1: all), the others keep their "
+                                           "activations; auto sets it")
     attn_implementation: str | None = Field(None, description="attention kernel: None (transformers' default, "
                                             "SDPA), flash_attention_2 (GPUs: packed rows run as varlen sequences), "
                                             "flex_attention, eager, or a kernels hub id")
-    compile: bool = Field(False, description="torch.compile each decoder layer once it is sharded (first steps "
-                          "slower while it compiles; CPUs need a C++ compiler)")
+    compile: bool | Literal["auto"] = Field(
+        False, description="torch.compile each decoder layer once it is sharded (first steps slower while it "
+                           "compiles, inductor's cache kept under the storage's .cache/torch-compile; CPUs need a C++ "
+                           "compiler); auto: a layer's step is timed eager and compiled once per hardware and shape "
+                           "(remembered there), on where compiled is faster; off with NF4 or without a compiler")
     load: Literal["full", "sharded"] = Field("full", description="full: every worker loads the whole model, "
                                              "then shards it; sharded: build on the meta device, each worker "
                                              "reads only its shard (host memory per worker ~ 1/N of the model)")
@@ -144,8 +153,10 @@ class TrainSection(Section):
     max_steps: int = Field(100, gt=0, description="optimizer steps; every rank runs exactly this many")
     global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers (with "
                                    "train.objective=grpo: completions, grpo.num_generations per prompt)")
-    micro_batch_size: int = Field(4, gt=0, description="sequences per forward pass on one worker; gradient "
-                                  "accumulation fills the rest of the global batch")
+    micro_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        4, description="sequences per forward pass on one worker; gradient accumulation fills the rest of the "
+                       "global batch; auto: the largest that splits the global batch and fits the memory plan "
+                       "with the fewest checkpointed layers")
     learning_rate: float = Field(2e-4, gt=0.0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
@@ -215,6 +226,9 @@ class ScalingSection(Section):
     num_workers: int = Field(2, gt=0, description="training workers: one per GPU, or per CPU slot with gloo")
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false: CPU workers, gloo")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="logical CPUs Ray reserves for each worker")
+    device_memory_gb: float | None = Field(None, gt=0.0, description="memory of one worker's device (GiB; host "
+                                           "memory with CPU workers) that the auto choices plan against and a run "
+                                           "must fit in (90% usable); None: asked of the cluster before launch")
     mesh: list[int] | None = Field(None, description="[replicas, shard size] for HSDP: shard within groups of "
                                    "`shard size` workers (a node), replicate across groups; None: shard over all")
     min_workers: int | None = Field(None, gt=0, description="elastic runs: keep training on as few as this many "

@@ -56,11 +56,15 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
         check_resumed_data(cfg.run_dir, cfg.data.train_paths, sources.train_digests)
     cfg, inputs = checked_while_ray_starts(cfg, sources, startup, verbose)
     check_placement(cfg)
+    from app.launch.memory_budget import with_memory_choices  # start-up: the planner, loaded by the checks' thread
+
+    cfg, auto_choices = with_memory_choices(cfg)
     claim = ClaimWatch()
     with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile
 
-        job = Job(cfg, inputs, recording.open_mlflow_run(cfg, inputs, run_to_continue), startup, verbose, trial)
+        run_id = recording.open_mlflow_run(cfg, inputs, run_to_continue, auto_choices)
+        job = Job(cfg, inputs, run_id, startup, verbose, trial)
         startup.reached("mlflow_run_ready")
         metrics, model, mlflow_synced = train_and_record(job, claim)
     return job_summary(cfg, job.run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)

@@ -28,8 +28,8 @@ def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, 
     """The whole base in memory, wrapped in LoRA with the seed's starting weights; not sharded."""
     model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed, reference)
     init_lora_weights(model, seed, rows_of_loaded_model(model))
-    if model_cfg.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    if model_cfg.gradient_checkpointing is True:  # auto: resolved by the driver (app/model/memory_choices.py)
+        enable_activation_checkpointing(model, model_cfg.checkpoint_every_n_layers)
     return model
 
 
@@ -37,8 +37,8 @@ def build_meta_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: 
                           reference: bool = False):
     """The LoRA model without weights (meta device): its shapes and names, for checks, plans and slice loading."""
     model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed, reference)
-    if model_cfg.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    if model_cfg.gradient_checkpointing is True:
+        enable_activation_checkpointing(model, model_cfg.checkpoint_every_n_layers)
     return model
 
 

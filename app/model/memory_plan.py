@@ -10,15 +10,18 @@ with activation checkpointing each layer keeps its input and one layer at a time
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from app.config.schema import FinetuneConfig
+from app.config.sections import ModelSection
 from app.model.hardware import has_fast_bf16, with_dtypes_resolved
 from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 
 GiB = 2**30
+ACTIVATIONS = "activations (estimate)"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -30,6 +33,9 @@ class MemoryPlan:
     lora_params: int
     device: dict[str, float] = field(default_factory=dict)  # component -> bytes on the accelerator (or RAM on CPU)
     host: dict[str, float] = field(default_factory=dict)  # offloaded components
+    model_config: object = None  # the transformers config: what activations of other batch shapes are planned from
+    compute_bytes: int = 4
+    num_layers: int = 0
 
     @property
     def device_total(self) -> float:
@@ -57,7 +63,8 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     quantized = nf4_params(layers) if cfg.model.quantization == "nf4" else [0]
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     root_params = base + lora - sum(p.numel() for layer in layers for p in layer.parameters())
-    plan = MemoryPlan(cfg.scaling.worker_counts[0], shard, base, lora)  # elastic: the smallest group
+    plan = MemoryPlan(cfg.scaling.worker_counts[0], shard, base, lora,  # elastic: the smallest group
+                      model_config=model.config, compute_bytes=compute, num_layers=len(layers))
 
     # NF4 weights: on a one-rank shard group FSDP2 leaves them alone (not sharded, gathered or offloaded)
     nf4_bytes = sum(quantized) * NF4_BYTES_PER_PARAM
@@ -77,8 +84,21 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
                                          for linear in quantizable_linears(layer).values()) * (8 + 3 * stored + compute)
     plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_bytes + root_params * compute
                                                               + dequantized)
-    plan.device["activations (estimate)"] = activation_bytes(model.config, cfg, compute, len(layers))
+    plan.device[ACTIVATIONS] = activation_bytes(model.config, cfg, compute, len(layers))
     return plan
+
+
+def with_activations_of(plan: MemoryPlan, cfg: FinetuneConfig) -> MemoryPlan:
+    """The plan with the activations of `cfg`'s checkpointing and micro-batch (the rest does not change)."""
+    device = plan.device | {ACTIVATIONS: activation_bytes(plan.model_config, cfg, plan.compute_bytes, plan.num_layers)}
+    return replace(plan, device=device)
+
+
+def checkpointed_layers(model: ModelSection, num_layers: int) -> int:
+    """Decoder layers activation checkpointing recomputes: every n-th (transformers' `every_n_layers`)."""
+    if model.gradient_checkpointing == "auto":
+        raise ValueError("model.gradient_checkpointing=auto is resolved before it is planned (memory_choices.py)")
+    return math.ceil(num_layers / model.checkpoint_every_n_layers) if model.gradient_checkpointing else 0
 
 
 def nf4_params(layers) -> list[int]:
@@ -94,10 +114,8 @@ def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int)
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
-    if cfg.model.gradient_checkpointing:
-        kept = num_layers * tokens * hidden * compute + one_layer
-    else:
-        kept = num_layers * one_layer
+    checkpointed = checkpointed_layers(cfg.model, num_layers)  # keep their input; one recomputed at a time
+    kept = checkpointed * tokens * hidden * compute + (num_layers - checkpointed + min(checkpointed, 1)) * one_layer
     chunk = cfg.train.loss_chunk_tokens
     if chunk:
         return kept + min(chunk, tokens) * config.vocab_size * (compute + 4) + tokens * hidden * compute

@@ -58,7 +58,8 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_id
                  device: torch.device, everyone_done: Callable[[bool], bool] = bool) -> list[torch.Tensor]:
     """The argmax continuations of several prompts at once (left-padded; position ids count real tokens
     only), each cut after its first token of `end_ids`. `everyone_done(mine)` says whether every rank's
-    rows have ended: the loop stops only then."""
+    rows have ended: the loop stops only then. Eager even where the layers are compiled (model.compile): a
+    growing width per token would recompile them past dynamo's limit for a few tokens' gain."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
@@ -69,7 +70,9 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_id
     new: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        next_id = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].argmax(-1)
+        with torch.compiler.set_stance("force_eager"):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        next_id = logits[:, -1].argmax(-1)
         next_id = torch.where(ended, pad_id, next_id)
         new.append(next_id)
         ids, mask = torch.cat([ids, next_id[:, None]], 1), torch.cat([mask, (~ended)[:, None].long()], 1)

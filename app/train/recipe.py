@@ -43,6 +43,7 @@ from app.train.checkpoint import (
     save_adapter,
     save_training_state,
 )
+from app.train.compile_setup import with_compile_resolved
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
 from app.train.objectives import objective_for
@@ -163,12 +164,16 @@ class FinetuneRecipe:
                              lambda: self.step)
 
     def build_model(self) -> None:
-        """`auto` dtypes agreed by every rank, the tokenizer, the FSDP2-sharded LoRA model (its adapter from the
-        seed or model.init_adapter), AdamW over the LoRA weights and the LR schedule."""
+        """`auto` dtypes and compile agreed by every rank, the tokenizer, the FSDP2-sharded LoRA model (its adapter
+        from the seed or model.init_adapter), AdamW over the LoRA weights and the LR schedule."""
         ctx = self.ctx
-        cfg = self.cfg = with_dtypes_resolved(self.cfg, on_every_rank(has_fast_bf16(ctx.device), ctx))
-        self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype,
+        cfg = with_dtypes_resolved(self.cfg, on_every_rank(has_fast_bf16(ctx.device), ctx))
+        cfg, compile_figures = with_compile_resolved(cfg, ctx)
+        self.cfg = cfg
+        self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype, "resolved.model.compile": cfg.model.compile,
                                  "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
+        if compile_figures:
+            self.tracker.log_metrics(compile_figures, step=0, once_per_step=False)
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.model = build_training_model(cfg.model, cfg.lora, cfg.fsdp,

@@ -202,6 +202,15 @@ def test_more_workers_than_the_cluster_holds_fails_before_any_run(ray_cluster, e
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 
+def test_a_run_whose_plan_exceeds_its_workers_memory_is_refused_before_any_run(ray_cluster, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, "scaling.device_memory_gb=0.001", "model.gradient_checkpointing=auto")
+    with pytest.raises(UserInputError, match=r"^the memory plan needs [0-9.]+ GiB per worker \(the most memory-saving "
+                                             r"auto choice: checkpointing on 4 of 4 layers, micro-batch \d+\), more "
+                                             r"than the 0.0 GiB usable \(scaling.device_memory_gb=0.001, 90%\)"):
+        run_finetune(cfg)
+    assert not (tmp_path / "outputs" / "mlflow.db").exists()
+
+
 def test_data_found_empty_after_the_workers_started_ends_the_job_in_one_line(embedded, tmp_path):
     """The worker group starts while the driver builds the data (a local cluster declares two CPUs more than
     the cores: the data's tasks fit beside both workers): data that leaves nothing to train on still ends

@@ -11,6 +11,7 @@ import app
 RAY_MODULES = {
     "app.launch.driver",  # ray.shutdown of a cluster it started
     "app.launch.cluster",  # ray.init, the cluster's resources
+    "app.launch.memory_budget",  # the nodes' memory, a one-GPU probe task
     "app.launch.data_build",  # Ray Data, the pass coordinator actor
     "app.launch.trainer",  # the TorchTrainer
     "app.launch.rollout_group",  # GRPO's rollout actors and reward tasks

@@ -13,6 +13,7 @@ import ray
 from app.config.loading import load_config
 from app.errors import UserInputError
 from app.launch.cluster import check_placement
+from app.launch.memory_budget import HOST_PEAK_OVER_PLAN, memory_saving_choices, worker_memory_budget
 
 
 def _node(address: str, cpus: float, alive: bool = True) -> dict:
@@ -67,3 +68,29 @@ def test_an_elastic_run_needs_room_for_its_fewest_workers(cluster, tmp_path):
     cluster(_node("127.0.0.1", 1))
     with pytest.raises(UserInputError, match=r"^scaling.min_workers=2 needs 2 CPUs .* lower scaling.min_workers"):
         check_placement(load_config(None, elastic))
+
+
+def test_a_cpu_workers_memory_is_the_smallest_nodes_share_unless_the_config_names_it(monkeypatch, tmp_path):
+    """(A one-GPU probe task reads a GPU's memory: no GPU here, so that path is not run.)"""
+    gib = 2**30
+    nodes = [{"NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 4, "memory": 8 * gib}},
+             {"NodeManagerAddress": "10.0.0.2", "Alive": True, "Resources": {"CPU": 2, "memory": 2 * gib}},
+             {"NodeManagerAddress": "10.0.0.3", "Alive": True, "Resources": {"CPU": 0, "memory": 1 * gib}},
+             {"NodeManagerAddress": "10.0.0.4", "Alive": False, "Resources": {"CPU": 8, "memory": 1 * gib}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    cfg = load_config(None, ["scaling.num_workers=4", "train.global_batch_size=16", f"train.output_dir={tmp_path}"])
+    budget, source = worker_memory_budget(cfg)
+    assert budget == 1 * gib / HOST_PEAK_OVER_PLAN and "smallest node" in source  # 2 GiB over its 2 workers
+    named = load_config(None, ["scaling.device_memory_gb=80", f"train.output_dir={tmp_path}"])
+    assert worker_memory_budget(named) == (80 * gib, "scaling.device_memory_gb=80")
+
+
+def test_without_a_memory_plan_auto_takes_the_memory_saving_choices(tmp_path):
+    auto = load_config(None, ["train.micro_batch_size=auto", f"train.output_dir={tmp_path}"])
+    cfg, reasons = memory_saving_choices(auto)
+    assert cfg.model.gradient_checkpointing is True and cfg.model.checkpoint_every_n_layers == 1
+    assert cfg.train.micro_batch_size == 1
+    assert set(reasons) == {"model.gradient_checkpointing", "train.micro_batch_size"}
+    explicit, none = memory_saving_choices(load_config(None, ["model.gradient_checkpointing=false",
+                                                              f"train.output_dir={tmp_path}"]))
+    assert explicit.model.gradient_checkpointing is False and none == {}

@@ -13,7 +13,7 @@ SHAPE_8B = str(REPO / "benchmarks" / "shapes" / "llama31_8b.json")
 
 
 def test_parameter_counts_match_the_loaded_model(embedded):
-    cfg = load_config(EMBEDDED_CONFIG, [f"model.path={embedded['model']}"])
+    cfg = load_config(EMBEDDED_CONFIG, [f"model.path={embedded['model']}", "model.gradient_checkpointing=false"])
     model = build_lora_model(cfg.model, cfg.lora, seed=0)
     plan = plan_memory(cfg)
     assert plan.base_params == sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -22,7 +22,8 @@ def test_parameter_counts_match_the_loaded_model(embedded):
 
 def test_options_move_memory_the_way_fsdp_does(embedded):
     def plan(*overrides):
-        return plan_memory(load_config(EMBEDDED_CONFIG, [f"model.path={embedded['model']}", *overrides]))
+        return plan_memory(load_config(EMBEDDED_CONFIG, [f"model.path={embedded['model']}",  # auto: resolve first
+                                                         "model.gradient_checkpointing=false", *overrides]))
 
     two, one = plan(), plan("scaling.num_workers=1")
     params = "parameters (sharded, stored dtype)"

@@ -125,7 +125,8 @@ def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp
         assert RunDir(str(tmp_path / name)).adapter_complete()
     # the embedded config's `auto` dtypes resolve by this machine's hardware, and the choice is logged
     expected = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
-    assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected}
+    assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected,
+                               "resolved.model.compile": False}
 
 
 EARLY_STOP = ["train.max_steps=16", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=2",

@@ -1,0 +1,80 @@
+"""How much memory one training worker has, asked of the cluster before launch, and the config's speed-for-memory
+`auto` choices resolved against it (app/model/memory_choices.py): a run that cannot fit stops here, not at its
+first step."""
+
+from __future__ import annotations
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError
+
+from app.config.schema import FinetuneConfig
+from app.errors import UserInputError, first_line, warn
+from app.model.memory_choices import resolve_memory_choices
+from app.model.memory_plan import GiB
+
+GPU_PROBE_SECONDS = 120.0
+# On CPU workers the peak measured 2.1-2.3x the plan (allocator cache, gloo and FSDP buffers: docs/performance.md,
+# "Memory options"): a host budget is divided by this, so that `auto` plans against what a worker really holds.
+HOST_PEAK_OVER_PLAN = 2.3
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+def gpu_memory_bytes() -> int:
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def worker_memory_budget(cfg: FinetuneConfig) -> tuple[float, str]:
+    """(bytes, where the figure comes from): scaling.device_memory_gb if set; with GPUs one GPU's memory, asked of
+    the cluster by a one-GPU task; with CPU workers the memory Ray lets tasks use on the smallest node that holds
+    a worker, shared by the workers it holds, over the CPU's measured peak-to-plan ratio."""
+    if cfg.scaling.device_memory_gb:
+        return cfg.scaling.device_memory_gb * GiB, f"scaling.device_memory_gb={cfg.scaling.device_memory_gb:g}"
+    if cfg.scaling.use_gpu:
+        try:
+            return float(ray.get(gpu_memory_bytes.remote(), timeout=GPU_PROBE_SECONDS)), "a GPU of the cluster"
+        except GetTimeoutError:
+            raise UserInputError(f"no GPU of the cluster was free within {GPU_PROBE_SECONDS:g} s to read its memory "
+                                 "for the memory plan: set scaling.device_memory_gb (one GPU's GiB)") from None
+    shares = []
+    for node in ray.nodes():
+        slots = int(node["Resources"].get("CPU", 0) // cfg.scaling.cpus_per_worker)
+        if node["Alive"] and slots:
+            shares.append(node["Resources"].get("memory", 0) / min(slots, cfg.scaling.num_workers))
+    if not shares:
+        raise UserInputError(f"scaling.cpus_per_worker={cfg.scaling.cpus_per_worker:g}: no node of the cluster has "
+                             "that many CPUs; lower it, or add a larger node")
+    return min(shares) / HOST_PEAK_OVER_PLAN, (f"Ray's task memory on the smallest node per worker it holds, "
+                                               f"/ {HOST_PEAK_OVER_PLAN:g}: CPU peaks over plans")
+
+
+def with_memory_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
+    """The config as the workers train it (checkpointing and micro-batch resolved) and why, each auto choice
+    printed; a one-line error when the plan does not fit the worker's memory. A model the planner cannot read
+    (an architecture without the usual config fields) trains unchecked, its auto choices the memory-saving ones."""
+    budget = worker_memory_budget(cfg)
+    try:
+        choices = resolve_memory_choices(cfg, *budget)
+    except UserInputError:
+        raise
+    except (AttributeError, KeyError, ValueError) as e:
+        warn(f"the memory plan of {cfg.model.path} could not be made ({type(e).__name__}: {first_line(e, 200)}); "
+             "the run is not checked against the workers' memory")
+        cfg, reasons = memory_saving_choices(cfg)
+    else:
+        cfg, reasons = choices.fitting().cfg, choices.reasons
+    for key, why in reasons.items():
+        print(f"auto: {key}={why}", flush=True)
+    return cfg, reasons
+
+
+def memory_saving_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
+    """Without a plan: checkpointing on every layer and micro-batches of one, where they are auto."""
+    model, train, reasons = cfg.model, cfg.train, {}
+    if model.gradient_checkpointing == "auto":
+        model = model.model_copy(update={"gradient_checkpointing": True, "checkpoint_every_n_layers": 1})
+        reasons["model.gradient_checkpointing"] = "true (no memory plan: the memory-saving choice)"
+    if train.micro_batch_size == "auto":
+        train = train.model_copy(update={"micro_batch_size": 1})
+        reasons["train.micro_batch_size"] = "1 (no memory plan: the memory-saving choice)"
+    return cfg.model_copy(update={"model": model, "train": train}), reasons

@@ -80,8 +80,12 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
             "adapter/finetune_config.yaml"} <= artifacts
+    # the config's `auto` checkpointing resolved before launch: the value, and why, on the run
+    chosen = run.data.tags["auto.model.gradient_checkpointing"].startswith("true")
+    assert run.data.params["model.gradient_checkpointing"] == str(chosen)
     resolved = client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))
-    assert load_config(resolved) == cfg  # the logged config reproduces the run's config exactly
+    trained = cfg.model_copy(update={"model": cfg.model.model_copy(update={"gradient_checkpointing": chosen})})
+    assert load_config(resolved) == trained  # the logged config reproduces the run's config exactly
 
 
 def test_the_adapter_reloads_in_a_fresh_process_and_reproduces_the_eval_loss(reference_run, embedded, tmp_path):

@@ -3,7 +3,9 @@
     python -m jobs.serve --adapter NAME=SOURCE [--adapter NAME=SOURCE ...] [--base PATH] [--port 8000]
 
 SOURCE is models:/REGISTERED/VERSION (the MLflow Model Registry; MLFLOW_TRACKING_URI names the server),
-a run name under --output-dir, or an adapter folder. Clients send `model: NAME` to
+models:/REGISTERED@ALIAS (followed: the version the alias names, loaded beside the old one when the alias
+moves, checked every --follow-interval-s and on POST /v1/admin/reload; each answer's system_fingerprint
+names its version), a run name under --output-dir, or an adapter folder. Clients send `model: NAME` to
 POST /v1/chat/completions (GET /v1/models lists the names; `--base-name`, default "base", answers
 without an adapter). The HTTP proxy binds to 127.0.0.1 unless --host says otherwise. Locally it starts
 Ray and serves until Ctrl-C; on a cluster (`ray job submit -- python -m jobs.serve ... --detach`) it
@@ -28,6 +30,7 @@ from pathlib import Path
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, first_line
 from app.runs.layout import OutputDir
+from app.tracking.adapters import registered_version
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=0, help="where Ray exports Serve's request metrics "
                         "in Prometheus format when it starts a cluster of its own (default: a free port, printed); on "
                         "a cluster, each node's metrics export port")
+    parser.add_argument("--follow-interval-s", type=float, default=30.0, help="how often a models:/NAME@ALIAS "
+                        "adapter's alias is checked (0: only on POST /v1/admin/reload)")
     parser.add_argument("--detach", action="store_true", help="deploy and return (on a running cluster)")
     return parser.parse_args(argv)
 
@@ -78,7 +83,7 @@ def check_sources(adapters: dict[str, str], output_dir: str) -> None:
     for name, source in adapters.items():
         try:
             if source.startswith("models:/"):
-                registered_version(source, output_dir)
+                check_registered(source, output_dir)
             elif "://" not in output_dir:
                 adapter_folder(source, output_dir)
         except Exception as e:  # MLflow's errors name the URI, which holds no credentials by now
@@ -86,12 +91,9 @@ def check_sources(adapters: dict[str, str], output_dir: str) -> None:
             raise UserInputError(f"--adapter {name}={source}: {reason}") from None
 
 
-def registered_version(uri: str, output_dir: str) -> None:
+def check_registered(uri: str, output_dir: str) -> None:
     """Asks the registry for the version; without $MLFLOW_TRACKING_URI the registry is the local store the
     training job writes under --output-dir (exported, so the replicas read the same)."""
-    parts = uri.removeprefix("models:/").strip("/").split("/")
-    if len(parts) != 2 or not parts[1].isdigit():
-        raise ValueError("expected models:/NAME/VERSION")
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         store = OutputDir(os.path.abspath(output_dir)).mlflow_store
         if "://" in output_dir or not store.exists():
@@ -103,7 +105,7 @@ def registered_version(uri: str, output_dir: str) -> None:
     try:
         from mlflow.tracking import MlflowClient
 
-        MlflowClient().get_model_version(*parts)
+        registered_version(MlflowClient(), uri)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -143,6 +145,8 @@ def check_numbers(args: argparse.Namespace) -> None:
                  "request_timeout_s"):
         if not 0 < getattr(args, flag) < math.inf:  # `nan` and `inf` parse as floats
             raise UserInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if not 0 <= args.follow_interval_s < math.inf:
+        raise UserInputError(f"--follow-interval-s {args.follow_interval_s}: 0 or more seconds")
     if not 0 <= args.metrics_port < 65536:
         raise UserInputError(f"--metrics-port {args.metrics_port}: a port number (0: a free one)")
     if args.max_queued_requests < 0:
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                          max_queued_requests=args.max_queued_requests)
     output_dir = args.output_dir if "://" in args.output_dir else os.path.abspath(args.output_dir)
     app = deployment.bind(adapters, args.base, args.base_name, output_dir, args.max_new_tokens,
-                          key and key_digest(key), args.max_batch_size, args.max_body_bytes)
+                          key and key_digest(key), args.max_batch_size, args.max_body_bytes, args.follow_interval_s)
     serve.run(app, name=args.name, route_prefix="/")
     print(f"serving {', '.join([args.base_name, *adapters])} at http://{args.host}:{args.port}/v1", flush=True)
     if metrics:  # Ray's metrics agent: request counts, latencies, queue lengths (ray_serve_*)

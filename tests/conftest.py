@@ -50,7 +50,7 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
 
     cfg = make_config(tmp_path_factory.mktemp("reference"), embedded, *SHORT_RUN, "train.run_name=reference",
                       "eval.generation_rows=16", "train.best_metric=eval_exact_match",
-                      "mlflow.registered_model=reference-adapter",
+                      "mlflow.registered_model=reference-adapter", "train.eval_tasks=[embedded_spelling_choice]",
                       "mlflow.system_metrics_seconds=1")  # MLflow's sampler logs once an interval has passed
     return cfg, run_finetune(cfg)
 

@@ -42,6 +42,26 @@ def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> F
         f"data.eval_path={embedded['eval']}", f"train.output_dir={tmp_path / 'outputs'}", *overrides])
 
 
+def register_adapter(embedded: dict[str, Path], adapter: str, folder: Path, uri: str, name: str,
+                     *overrides: str) -> str:
+    """Log and register an adapter folder as a finished run's (a run of its own in the MLflow store at `uri`,
+    which must be MLflow's URI in this process): the version."""
+    import shutil
+
+    import mlflow
+
+    from app.runs.layout import ADAPTER, ADAPTER_RUN_CONFIG
+    from app.tracking.registry import log_adapter_model
+
+    cfg = make_config(folder, embedded, f"train.run_name={folder.name}", f"mlflow.tracking_uri={uri}",
+                      f"mlflow.registered_model={name}", *overrides)
+    copy = Path(shutil.copytree(adapter, cfg.run_dir.path(ADAPTER)))
+    (copy / ADAPTER_RUN_CONFIG).write_text(cfg.to_yaml())
+    with mlflow.start_run() as run:
+        pass
+    return log_adapter_model(cfg, run.info.run_id, {})["version"]
+
+
 def job_command(embedded: dict[str, Path], out: Path | str, *overrides: str) -> list[str]:
     """`python -m jobs.finetune` of the embedded config, as a user runs it, reading the built model and data."""
     paths = [f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",

@@ -108,6 +108,8 @@ def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str],
         claim.raise_if_lost()
         status = "FINISHED"
         model = recording.record_outcome(job.cfg, job.run_id, metrics)
+        if job.cfg.train.eval_tasks:
+            recording.score_on_eval_tasks(job.cfg, job.run_id, model)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM from `ray job stop` (ray.init's handler exits)
         claim.raise_if_lost()
         status = "KILLED"

@@ -7,14 +7,18 @@ import getpass
 import os
 
 import ray
+from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
 from app.data.passes import source_key, source_names
 from app.environment import in_ray_job, ray_job_id
 from app.errors import first_line, warn
+from app.evaluation.harness import Evaluation, scores, task_metadata
+from app.launch.evaluation import evaluate_where_it_fits
 from app.launch.inputs import CheckedInputs
 from app.launch.summary import best_tags
 from app.tracking import mlflow_run
+from app.tracking.evaluations import Evaluated, record_scores
 from app.tracking.registry import log_adapter_model
 
 
@@ -69,6 +73,25 @@ def record_outcome(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str,
         warn(f"MLflow: the adapter was not logged as a model ({type(e).__name__}: {first_line(e, 200)}); it is at "
              f"{cfg.run_dir.adapter}")
         return {}
+
+
+def score_on_eval_tasks(cfg: FinetuneConfig, run_id: str, model: dict[str, str]) -> None:
+    """train.eval_tasks on the finished run's adapter (where jobs.evaluate would run it), on the run and its
+    registered version. A failure warns: the run has trained and its adapter is kept either way."""
+    version = (model["registered_model"], model["version"]) if "version" in model else None
+    try:
+        results, where = evaluate_where_it_fits(
+            cfg.model.path, cfg.run_dir.adapter, cfg.train.output_dir,
+            Evaluation(list(cfg.train.eval_tasks), seed=cfg.train.seed, metadata=task_metadata(cfg.model.path)))
+        figures = scores(results)
+        evaluated = Evaluated(cfg.train.run_name, None, cfg.model.path, run_id, version)
+        record_scores(MlflowClient(cfg.mlflow.tracking_uri), evaluated, figures, results)
+    except Exception as e:
+        warn(f"train.eval_tasks: not scored ({type(e).__name__}: {first_line(e, 200)}); "
+             f"`python -m jobs.evaluate --adapter {cfg.train.run_name}` scores it later")
+        return
+    print(" | ".join(f"{key.removeprefix('lm_eval/')} {value:.4f}" for key, value in figures.items()
+                     if not key.endswith("_stderr")) + f" (lm-eval, {where})", flush=True)
 
 
 def end_run(cfg: FinetuneConfig, run_id: str, status: str) -> bool:

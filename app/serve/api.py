@@ -1,23 +1,25 @@
 """The OpenAI-compatible HTTP API over an `Engine`, as a plain FastAPI app (Ray Serve mounts it; tests
 drive it directly).
 
-POST /v1/chat/completions and GET /v1/models. With an API key (its sha256 given) every request needs
-`Authorization: Bearer <key>` (401 otherwise); a body over `max_body_bytes` is refused (413). Requests
-are checked before any token is generated (400, OpenAI's error shape, naming the field). `stream: true`
-answers with server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`; every
-non-streamed answer carries `usage`. A client that goes away (or a request timeout) stops its row of
-the batch at the next token.
+POST /v1/chat/completions, POST /v1/completions (text or token-id prompts, `echo`, `logprobs`: what
+lm-evaluation-harness's `local-completions` sends) and GET /v1/models. With an API key (its sha256 given)
+every request needs `Authorization: Bearer <key>` (401 otherwise); a body over `max_body_bytes` is refused
+(413). Requests are checked before any token is generated (400, OpenAI's error shape, naming the field).
+`stream: true` answers with server-sent events of chunk objects ending with `data: [DONE]`; every
+non-streamed answer carries `usage`. Log-probabilities (app/serve/logprobs.py) come on request. A client
+that goes away (or a request timeout) stops its row of the batch at the next token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -26,9 +28,10 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from app.errors import first_line
+from app.serve.answers import TokenText, answer, chat_logprobs, completion_logprobs, stream, usage
 from app.serve.encoder import PromptEncoder
 from app.serve.engine import Engine, Job
-from app.serve.protocol import ApiError, ChatRequest, validation_error
+from app.serve.protocol import ApiError, ChatRequest, CompletionRequest, validation_error
 
 
 @dataclass
@@ -40,10 +43,34 @@ class Served:
     adapters: list[str]
     context: int
     max_new_tokens: int = 64
+    routes: dict[str, str] = field(default_factory=dict)  # a served name -> the PEFT adapter answering it now
+    labels: dict[str, str] = field(default_factory=dict)  # a PEFT adapter -> what it is (models:/NAME/VERSION)
+    reload: Callable[[], dict] | None = None  # moves names that follow an alias to its version now
 
     @property
     def names(self) -> list[str]:
         return [self.base_name, *self.adapters]
+
+    @property
+    def vocabulary(self) -> int:
+        return self.engine.model.get_input_embeddings().num_embeddings
+
+    def adapter(self, model: str) -> str | None:
+        """The adapter a request's `model` names (None: the base alone), or 404."""
+        if model not in self.names:
+            raise ApiError(404, f"model {model!r} is not served; GET /v1/models lists them", "model", "model_not_found")
+        return None if model == self.base_name else self.routes.get(model, model)
+
+    def label(self, adapter: str | None) -> str:
+        """What answers a job: the registered version or folder behind its adapter, or the base's name."""
+        return self.base_name if adapter is None else self.labels.get(adapter, adapter)
+
+    def room(self, prompt: list[int], param: str) -> int:
+        """The tokens the context leaves after `prompt`, or 400 when it leaves none to read it in."""
+        if len(prompt) > self.context:
+            raise ApiError(400, f"{param}: the prompt is {len(prompt)} tokens; this model's context is {self.context}",
+                           param, "context_length_exceeded")
+        return self.context - len(prompt)
 
 
 def context_length(model, tokenizer) -> int:
@@ -102,8 +129,8 @@ def key_digest(key: str | bytes) -> str:
 
 
 def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body_bytes: int = 1 << 20) -> Gate:
-    api = FastAPI(title="ray-lora-fsdp chat completions")
-    encoder = PromptEncoder(tokenizer)
+    api = FastAPI(title="ray-lora-fsdp completions")
+    encoder, text = PromptEncoder(tokenizer), TokenText(tokenizer)
 
     @api.exception_handler(ApiError)
     async def _refused(_, error: ApiError):
@@ -115,8 +142,8 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
 
     @api.exception_handler(HTTPException)  # a route or method the API does not have: 404, 405, in OpenAI's shape
     async def _no_route(request, error: HTTPException):
-        message = f"{request.method} {request.url.path}: {error.detail}; the API serves GET /v1/models and " \
-                  "POST /v1/chat/completions"
+        message = f"{request.method} {request.url.path}: {error.detail}; the API serves GET /v1/models, " \
+                  "POST /v1/chat/completions and POST /v1/completions"
         return JSONResponse(ApiError(error.status_code, message, None, "not_found").body(),
                             status_code=error.status_code, headers=error.headers)
 
@@ -125,84 +152,122 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ray-lora-fsdp"}
                                            for name in served.names]}
 
+    @api.post("/v1/admin/reload")
+    async def reload() -> dict:
+        """Move every name that follows a registry alias to the version it names now (the server also polls)."""
+        if served.reload is None:
+            raise ApiError(404, "this server follows no registry alias (serve models:/NAME@ALIAS to follow one)", None,
+                           "not_found")
+        try:
+            return {"adapters": await asyncio.to_thread(served.reload)}
+        except Exception as e:  # the registry unreachable, a version on another base: the old one serves on
+            raise ApiError(502, f"reload failed, the versions served are unchanged: {first_line(e, 300)}", None,
+                           "reload_failed", "server_error") from None
+
     @api.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest):
-        job = _job(served, encoder, request)
+        job = _chat_job(served, encoder, request)
         served.engine.submit(job)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model,
+                "system_fingerprint": served.label(job.adapter)}
+        logprobs = (lambda entries: chat_logprobs(entries, text)) if job.logprobs is not None else (lambda _: None)
         if request.stream:
-            usage = bool(request.stream_options and request.stream_options.include_usage)
-            return StreamingResponse(_chunks(job, head, usage), media_type="text/event-stream")
-        try:
-            text, finish, completion = "", "length", 0
-            async for event in _events(job):
-                if event[0] == "delta":
-                    text += event[1]
-                else:
-                    finish, completion = event[1], event[2]
-        finally:
-            job.cancelled.set()  # a no-op once finished; stops the row if this request was cancelled
+            def piece(delta: str, entries, finish):
+                return {"delta": {"content": delta} if delta else {}, "logprobs": logprobs(entries),
+                        "finish_reason": finish}
+            opening = lambda: {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            return _events(job, {**head, "object": "chat.completion.chunk"}, request, piece, opening)
+        content, finish, completion = await answer(job)
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish}],
-                "usage": _usage(job, completion)}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "logprobs": logprobs(job.logprobs_of), "finish_reason": finish}],
+                "usage": usage([job], completion)}
+
+    @api.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        jobs = [_completion_job(served, tokenizer, request, prompt, i) for i, prompt in enumerate(request.prompts)]
+        for job in jobs:
+            served.engine.submit(job)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": request.model, "system_fingerprint": served.label(jobs[0].adapter)}
+        if request.stream:
+            return _completion_stream(jobs[0], head, request, text)
+        try:
+            answers = await asyncio.gather(*map(answer, jobs))
+        finally:
+            for job in jobs:
+                job.cancelled.set()
+        choices = [_completion_choice(job, i, *answered, text) for i, (job, answered) in enumerate(zip(jobs, answers))]
+        return {**head, "choices": choices, "usage": usage(jobs, sum(done[2] for done in answers))}
 
     return Gate(api, key_sha256, max_body_bytes)
 
 
-def _job(served: Served, encoder: PromptEncoder, request: ChatRequest) -> Job:
+def _chat_job(served: Served, encoder: PromptEncoder, request: ChatRequest) -> Job:
     """The request as a generation job, or an ApiError: everything is checked before it is queued."""
-    if request.model not in served.names:
-        raise ApiError(404, f"model {request.model!r} is not served; GET /v1/models lists them", "model",
-                       "model_not_found")
+    adapter = served.adapter(request.model)
     try:
         prompt = encoder.encode([m.model_dump(include={"role", "content"}) for m in request.messages])
     except TemplateError as e:  # roles or an order the model's template refuses (Gemma: no system; Mistral: alternate)
         raise ApiError(400, f"messages: the model's chat template refuses them ({first_line(e, 200)})", "messages",
                        "invalid_messages") from None
-    room = served.context - len(prompt)
-    if room < 1:
-        raise ApiError(400, f"messages: the prompt is {len(prompt)} tokens; this model's context is "
-                       f"{served.context}", "messages", "context_length_exceeded")
-    if request.limit is not None and request.limit > room:
-        raise ApiError(400, f"max_tokens: {request.limit} is more than the {room} tokens the context leaves "
-                       "after the prompt", "max_tokens", "context_length_exceeded")
-    return Job(prompt=prompt, adapter=None if request.model == served.base_name else request.model,
-               max_tokens=request.limit or min(served.max_new_tokens, room), sampling=request.sampling,
-               stops=request.stop, seed=request.seed)
+    room = served.room(prompt, "messages")
+    _check_limit(request.limit, room)
+    return Job(prompt=prompt, adapter=adapter, max_tokens=request.limit or min(served.max_new_tokens, room),
+               sampling=request.sampling, stops=request.stop, seed=request.seed, logprobs=request.alternatives)
 
 
-async def _events(job: Job) -> AsyncIterator[tuple]:
-    while True:
-        event = await job.events.get()
-        if event[0] == "error":
-            raise ApiError(500, event[1], None, "generation_failed", "server_error")
-        yield event
-        if event[0] == "end":
-            return
+def _completion_job(served: Served, tokenizer, request: CompletionRequest, prompt: str | list[int], i: int) -> Job:
+    param = "prompt" if isinstance(request.prompt, str) or isinstance(request.prompt[0], int) else f"prompt.{i}"
+    adapter = served.adapter(request.model)
+    if request.stream and len(request.prompts) > 1:
+        raise ApiError(400, "prompt: a streamed request takes one prompt", "prompt", "invalid_value")
+    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    if not ids:
+        raise ApiError(400, f"{param}: the prompt is empty", param, "invalid_value")
+    if max(ids) >= served.vocabulary:
+        raise ApiError(400, f"{param}: token id {max(ids)} is not in this model's vocabulary of {served.vocabulary}",
+                       param, "invalid_value")
+    room = served.room(ids, param)
+    _check_limit(request.max_tokens, room)
+    limit = request.max_tokens if request.max_tokens is not None else min(served.max_new_tokens, room)
+    return Job(prompt=ids, adapter=adapter, max_tokens=limit, sampling=request.sampling, stops=request.stop,
+               seed=request.seed, logprobs=request.logprobs, echo=request.echo)
 
 
-def _usage(job: Job, completion: int) -> dict:
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": completion,
-            "total_tokens": len(job.prompt) + completion}
+def _check_limit(limit: int | None, room: int) -> None:
+    if (limit is not None and limit > room) or (limit is None and room < 1):
+        raise ApiError(400, f"max_tokens: {limit or 1} is more than the {room} tokens the context leaves after the "
+                       "prompt", "max_tokens", "context_length_exceeded")
 
 
-async def _chunks(job: Job, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-        return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
+def _completion_choice(job: Job, index: int, completion: str, finish: str, _: int, text: TokenText) -> dict:
+    shown = text.of_all(job.prompt) if job.echo else ""
+    logprobs = None
+    if job.logprobs is not None:
+        logprobs = completion_logprobs((job.prompt_logprobs or []) + job.logprobs_of, text)
+    return {"index": index, "text": shown + completion, "logprobs": logprobs, "finish_reason": finish}
 
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in _events(job):
-            if event[0] == "delta":
-                yield chunk({"content": event[1]})
-            else:
-                yield chunk({}, event[1])
-                if include_usage:  # OpenAI's last chunk: no choices, the usage
-                    yield chunk(None, usage=_usage(job, event[2]))
-        yield "data: [DONE]\n\n"
-    except ApiError as error:  # the status line is sent already: the error goes in the stream
-        yield f"data: {json.dumps(error.body())}\n\n"
-    finally:
-        job.cancelled.set()
+
+def _completion_stream(job: Job, head: dict, request: CompletionRequest, text: TokenText) -> StreamingResponse:
+    shown = text.of_all(job.prompt) if job.echo else ""
+    offset = len(shown)
+    logprobs = job.logprobs is not None
+
+    def piece(delta: str, entries, finish) -> dict:
+        nonlocal offset
+        body = {"text": delta, "logprobs": completion_logprobs(entries, text, offset) if logprobs else None,
+                "finish_reason": finish}
+        offset += len(delta)
+        return body
+
+    def opening() -> dict:
+        return {"text": shown, "finish_reason": None,
+                "logprobs": completion_logprobs(job.prompt_logprobs or [], text) if logprobs and job.echo else None}
+
+    return _events(job, head, request, piece, opening)
+
+
+def _events(job: Job, head: dict, request, piece, opening: dict) -> StreamingResponse:
+    include = bool(request.stream_options and request.stream_options.include_usage)
+    return StreamingResponse(stream(job, head, include, piece, opening), media_type="text/event-stream")

@@ -6,12 +6,14 @@ ones with equal temperature and top_p; a seeded one alone). A row stops on its o
 token, at its `max_tokens`, at a stop sequence, or when its client is gone (`Job.cancelled`), all
 decided by a `StoppingCriteria` that also hands each row's new text to its request as it comes.
 Rows are static within a call: requests that arrive during one wait for the next (no continuous
-batching).
+batching). A request that wants its prompt's log-probabilities (`echo`) is scored first, in one forward
+pass with the others waiting for that; one that wants a single greedy token more takes it from that pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -20,16 +22,31 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from app.serve.logprobs import StepLogprobs, TokenLogprob, entries, score_prompts
 
 log = logging.getLogger(__name__)
 NO_ADAPTER = "__base__"  # PEFT's row name for the base model alone
+RETIRE_AFTER_S = 5.0  # a replaced adapter is deleted once unused this long after its replacement
+
+
+@dataclass(eq=False)
+class _Chore:
+    """Work on the model itself (loading an adapter), done by the generation thread between two batches."""
+
+    work: object  # a callable
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass(eq=False)
 class Job:
-    """One request's generation. Its events reach the request's event loop: ("delta", text) as text
-    comes, then ("end", finish_reason, completion_tokens) or ("error", message)."""
+    """One request's generation. Its events reach the request's event loop: ("delta", text, n) as text
+    comes (n: the generated tokens' log-probabilities known by then), then ("end", finish_reason,
+    completion_tokens) or ("error", message).
+
+    With `logprobs` (the alternatives wanted per token, 0 for none) each generated token's log-probability
+    is kept in `logprobs_of`; with `echo` too, the prompt's in `prompt_logprobs`. `max_tokens` 0: scored only."""
 
     prompt: list[int]
     adapter: str | None
@@ -37,10 +54,18 @@ class Job:
     sampling: tuple
     stops: list[str] = field(default_factory=list)
     seed: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     tokens: list[int] = field(default_factory=list)
+    logprobs_of: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     text: str = ""  # what has been sent
     finish: str | None = None
+
+    @property
+    def unscored(self) -> bool:
+        return self.echo and self.logprobs is not None and self.prompt_logprobs is None
 
     @property
     def seeded(self) -> bool:
@@ -85,13 +110,13 @@ def _overlap(tail: str, stop: str) -> int:
 class _Rows(StoppingCriteria):
     """Per-row stopping for a batch, and the hand-off of each row's new text."""
 
-    def __init__(self, engine: Engine, jobs: list[Job]):
-        self.engine, self.jobs = engine, jobs
+    def __init__(self, engine: Engine, jobs: list[Job], step: StepLogprobs):
+        self.engine, self.jobs, self.step = engine, jobs, step
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        for job, token in zip(self.jobs, input_ids[:, -1].tolist(), strict=True):
+        for row, (job, token) in enumerate(zip(self.jobs, input_ids[:, -1].tolist(), strict=True)):
             if job.finish is None:
-                self.engine.advance(job, token)
+                self.engine.advance(job, token, None if self.step.last is None else self.step.last[row])
         return torch.tensor([job.finish is not None for job in self.jobs], device=input_ids.device)
 
 
@@ -103,16 +128,44 @@ class Engine:
         eos = model.generation_config.eos_token_id
         self.eos = {*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None}
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos)
-        self.incoming: queue.Queue[Job] = queue.Queue()
+        self.incoming: queue.Queue[Job | _Chore] = queue.Queue()
+        self.retired: dict[str, float] = {}  # replaced adapters -> when; deleted once no job waits on them
         self.batches = 0  # generate calls so far
         threading.Thread(target=self._serve_forever, name="generate", daemon=True).start()
 
     def submit(self, job: Job) -> None:
         self.incoming.put(job)
 
-    def advance(self, job: Job, token: int) -> None:
-        """Take one new token of `job`'s row: decide whether the row is finished, send the text that is
-        certain (never a piece of a stop sequence, never half a character)."""
+    def between_batches(self, work) -> concurrent.futures.Future:
+        """Run `work()` in the generation thread when no batch runs (PEFT's adapters change there only)."""
+        chore = _Chore(work)
+        self.incoming.put(chore)
+        return chore.done
+
+    def retire(self, adapter: str) -> None:
+        """`adapter` answers no new request: delete it once the jobs that named it have ended."""
+        self.between_batches(lambda: self.retired.setdefault(adapter, time.monotonic()))
+
+    def _take(self, item: Job | _Chore, waiting: deque[Job]) -> None:
+        if isinstance(item, Job):
+            waiting.append(item)
+            return
+        try:
+            item.done.set_result(item.work())
+        except Exception as e:  # the caller hears of it; generation goes on
+            item.done.set_exception(e)
+
+    def _delete_retired(self, waiting: deque[Job]) -> None:
+        for adapter, since in list(self.retired.items()):
+            if time.monotonic() - since >= RETIRE_AFTER_S and all(job.adapter != adapter for job in waiting):
+                self.model.delete_adapter(adapter)
+                del self.retired[adapter]
+
+    def advance(self, job: Job, token: int, logprobs: torch.Tensor | None = None) -> None:
+        """Take one new token of `job`'s row (and the distribution it came from): decide whether the row is
+        finished, send the text that is certain (never a piece of a stop sequence, never half a character)."""
+        if job.logprobs is not None and logprobs is not None:  # the end-of-turn token's too, as vLLM reports it
+            job.logprobs_of += entries(logprobs.unsqueeze(0), [token], job.logprobs)
         if token in self.eos:
             job.finish = "stop"
         else:
@@ -127,17 +180,23 @@ class Engine:
             job.finish = "cancelled"
         certain = text if job.finish else text[:len(text) - _held_back(text, job.stops)]
         if len(certain) > len(job.text) and certain.startswith(job.text):
-            job.emit("delta", certain[len(job.text):])
+            job.emit("delta", certain[len(job.text):], len(job.logprobs_of))
             job.text = certain
 
     def _serve_forever(self) -> None:
         waiting: deque[Job] = deque()
         while True:
             if not waiting:
-                waiting.append(self.incoming.get())
+                self._take(self.incoming.get(), waiting)
                 time.sleep(self.batch_wait_s)  # let requests sent together arrive together
             while not self.incoming.empty():
-                waiting.append(self.incoming.get_nowait())
+                self._take(self.incoming.get_nowait(), waiting)
+            self._delete_retired(waiting)
+            if not waiting:
+                continue
+            if any(job.unscored for job in waiting):
+                self._score_prompts(waiting)
+                continue
             batch: list[Job] = []
             for job in waiting:  # alike, at most max_batch_size, and padded rows still within the context
                 if batch and (waiting[0].seeded or job.seeded):
@@ -153,6 +212,31 @@ class Engine:
             if live:
                 self._run(live)
 
+    def _score_prompts(self, waiting: deque[Job]) -> None:
+        """Score the prompts of up to max_batch_size waiting jobs that echo them; each then ends, takes its one
+        greedy token from the same pass, or waits for generation."""
+        batch = [job for job in waiting if job.unscored and not job.cancelled.is_set()][:self.max_batch_size]
+        for job in [job for job in waiting if job.unscored and job.cancelled.is_set()]:
+            waiting.remove(job)
+            job.emit("end", "cancelled", 0)
+        for job in batch:
+            waiting.remove(job)
+        if not batch:
+            return
+        adapters = [job.adapter or NO_ADAPTER for job in batch]
+        scored = self._attempt(batch, "scoring", lambda: score_prompts(
+            self.model, [job.prompt for job in batch], adapters, self.pad, [job.logprobs for job in batch]))
+        if scored is None:
+            return
+        for job, (prompt_logprobs, following) in zip(batch, scored):
+            job.prompt_logprobs = prompt_logprobs
+            if job.max_tokens == 1 and job.sampling == ("greedy",):
+                self.advance(job, int(following.argmax()), following)
+            if job.max_tokens == 0 or job.finish is not None:
+                job.emit("end", job.finish or "length", len(job.tokens))
+            else:
+                waiting.appendleft(job)
+
     def _fits(self, jobs: list[Job]) -> bool:
         width = max(len(job.prompt) for job in jobs)
         return self.context is None or width + max(job.max_tokens for job in jobs) <= self.context
@@ -164,20 +248,32 @@ class Engine:
         kind, *settings = jobs[0].sampling
         sampling = {"do_sample": False} if kind == "greedy" else \
             {"do_sample": True, "temperature": settings[0], "top_p": settings[1], "top_k": None}
-        try:
+        step = StepLogprobs([job.logprobs is not None for job in jobs])
+
+        def generate() -> bool:
             if jobs[0].seeded:
                 torch.manual_seed(jobs[0].seed)  # a seeded sampled job runs alone; greedy ones draw nothing
             with torch.no_grad():
                 self.model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.pad, **sampling,
                                     max_new_tokens=max(job.max_tokens for job in jobs),
-                                    stopping_criteria=StoppingCriteriaList([_Rows(self, jobs)]),
+                                    logits_processor=LogitsProcessorList([step]),
+                                    stopping_criteria=StoppingCriteriaList([_Rows(self, jobs, step)]),
                                     adapter_names=[job.adapter or NO_ADAPTER for job in jobs])
-        except Exception as e:  # a bug or a broken model: each request answers 500, the server lives on
-            log.exception("generation failed")
+            return True
+
+        if self._attempt(jobs, "generation", generate):
             for job in jobs:
-                job.emit("error", f"generation failed: {type(e).__name__}")
-            return
+                job.emit("end", job.finish or "length", len(job.tokens))
+
+    def _attempt(self, jobs: list[Job], what: str, work):
+        """`work()` on a batch; a failure (a bug, a broken model) answers each of its requests 500 and the server
+        lives on: None then."""
+        try:
+            return work()
+        except Exception as e:
+            log.exception("%s failed", what)
+            for job in jobs:
+                job.emit("error", f"{what} failed: {type(e).__name__}")
+            return None
         finally:
             self.batches += 1
-        for job in jobs:
-            job.emit("end", job.finish or "length", len(job.tokens))

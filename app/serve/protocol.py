@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request as served here, and OpenAI-style error answers.
 
 Every field a client may send is either honoured or refused by name: unknown fields are refused
-(`extra="forbid"`), and fields kept for compatibility (penalties, logprobs) are accepted only at their
+(`extra="forbid"`), and fields kept for compatibility (penalties, `n`, `best_of`) are accepted only at their
 neutral values. A refusal is `{"error": {"message", "type", "param", "code"}}` with status 400.
 """
 
@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.serve.encoder import ROLES
+from app.serve.logprobs import MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):
@@ -36,8 +37,9 @@ def validation_error(errors: list[dict]) -> ApiError:
         return ApiError(400, f"{'.'.join(path)}: this server does not support the field",
                         ".".join(path), "unsupported_parameter")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    param = ".".join(path) or None
-    return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+    named, said, _ = message.partition(": ")  # a rule across fields names the one it refuses first
+    param = ".".join(path) or (named if said and named.isidentifier() else None)
+    return ApiError(400, message if not path or not param else f"{param}: {message}", param, "invalid_value")
 
 
 MAX_STOP_CHARS = 512  # a stop is looked for after every token: its length bounds that work
@@ -69,11 +71,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatRequest(_Strict):
+class _Generation(_Strict):
+    """What chat and text completions share: sampling, stops, streaming, and the fields kept at neutral values."""
+
     model: str
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked (OpenAI: 1)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = 1
@@ -84,7 +85,6 @@ class ChatRequest(_Strict):
     user: str | None = None  # an end-user id for the caller's records: accepted, unused
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool = False
 
     @field_validator("n")
     @classmethod
@@ -110,25 +110,11 @@ class ChatRequest(_Strict):
             raise ValueError("penalties are not supported (only 0)")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
-
     @model_validator(mode="after")
-    def _one_limit(self) -> ChatRequest:
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree: give one")
+    def _stream_options_with_stream(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ValueError("stream_options: only allowed with stream: true")
         return self
-
-    @property
-    def limit(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     @property
     def sampling(self) -> tuple:
@@ -137,3 +123,72 @@ class ChatRequest(_Strict):
         if self.temperature == 0:
             return ("greedy",)
         return ("sample", self.temperature, self.top_p)
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree: give one")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives per token when log-probabilities are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+MAX_PROMPTS = 128  # prompts in one text-completions request (each is a row of the batches)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Generation):
+    """The (legacy) text completions request: what lm-evaluation-harness's `local-completions` sends. A prompt
+    is text or token ids, one or a list (one choice each); `echo` with `logprobs` scores the prompt itself,
+    and `max_tokens: 0` with `echo` scores it without generating."""
+
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int = 1
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: int) -> int:
+        if best_of != 1:
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompts(cls, prompt):
+        if isinstance(prompt, list) and not 1 <= len(prompt) <= MAX_PROMPTS:
+            raise ValueError(f"1 to {MAX_PROMPTS} prompts per request")
+        return prompt
+
+    @model_validator(mode="after")
+    def _scoring_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing: it needs echo: true (to score the prompt)")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens: 0 (scoring only) cannot be streamed")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        one = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
+        return [self.prompt] if one else list(self.prompt)

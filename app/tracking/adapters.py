@@ -1,5 +1,6 @@
 """An adapter by the name a user gives it: an adapter folder, a run name under the output directory, or a
-registered version (models:/NAME/VERSION), and the base model it was trained on.
+registered version (models:/NAME/VERSION, or models:/NAME@ALIAS: the version the alias names when asked),
+and the base model it was trained on.
 
 An adapter names its base in its run's `finetune_config.yaml` (model.path, model.revision) or, failing
 that, PEFT's `adapter_config.json`; a registered version also records the sha256 of a local base's weights in
@@ -12,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.errors import UserInputError, first_line
 from app.runs.layout import ADAPTER, ADAPTER_RUN_CONFIG
 
 
@@ -37,13 +39,39 @@ def same_location(one: str, other: str) -> bool:
     return where(one) == where(other)
 
 
+def registered_version(client, uri: str) -> tuple[str, str]:
+    """(name, version) of models:/NAME/VERSION or models:/NAME@ALIAS, as the registry has them now."""
+    from mlflow.exceptions import MlflowException
+
+    spec = uri.removeprefix("models:/").strip("/")
+    name, at, alias = spec.partition("@")
+    try:
+        if at:
+            return name, str(client.get_model_version_by_alias(name, alias).version)
+        name, _, version = spec.rpartition("/")
+        if not name or not version.isdigit():
+            raise UserInputError(f"{uri}: expected models:/NAME/VERSION or models:/NAME@ALIAS")
+        return name, str(client.get_model_version(name, version).version)
+    except MlflowException as e:
+        raise UserInputError(f"{uri}: {first_line(e, 200)}") from None
+
+
+def pinned(source: str, client=None) -> str:
+    """A registry alias as the version it names now (models:/NAME/VERSION); any other source as it is."""
+    if not (source.startswith("models:/") and "@" in source):
+        return source
+    from mlflow.tracking import MlflowClient
+
+    return "models:/{}/{}".format(*registered_version(client or MlflowClient(), source))
+
+
 def adapter_folder(source: str, output_dir: str = "outputs") -> Path:
     """A local adapter folder for `source`: a folder, a run name under `output_dir`, or models:/NAME/VERSION
     (the registered MLflow Model's adapter artifact, downloaded)."""
     if source.startswith("models:/"):
         import mlflow
 
-        return Path(mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/adapter"))
+        return Path(mlflow.artifacts.download_artifacts(f"{pinned(source).rstrip('/')}/artifacts/adapter"))
     for candidate in (Path(source), Path(output_dir) / source / ADAPTER):
         if (candidate / "adapter_config.json").exists():
             return candidate

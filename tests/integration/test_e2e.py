@@ -80,6 +80,12 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
             "adapter/finetune_config.yaml"} <= artifacts
+    # train.eval_tasks: lm-eval's score of the trained adapter, on the run and its registered version
+    acc = run.data.metrics["lm_eval/embedded_spelling_choice/acc"]
+    assert 0.0 <= acc <= 1.0 and "lm_eval/embedded_spelling_choice/acc_stderr" in run.data.metrics
+    assert {f.path for f in client.list_artifacts(run.info.run_id, "lm_eval")} == {"lm_eval/results.json"}
+    version = client.get_model_version("reference-adapter", summary["version"])
+    assert float(version.tags["lm_eval/embedded_spelling_choice/acc"]) == pytest.approx(acc, rel=1e-5)
     # the config's `auto` checkpointing resolved before launch: the value, and why, on the run
     chosen = run.data.tags["auto.model.gradient_checkpointing"].startswith("true")
     assert run.data.params["model.gradient_checkpointing"] == str(chosen)

@@ -144,3 +144,48 @@ def test_a_client_that_disconnects_stops_its_generation(served):
     client.chat.completions.create(model="base", messages=QUESTION, max_tokens=1)
     waited = time.perf_counter() - started
     assert waited < whole / 2, f"waited {waited:.2f} s behind the disconnected request (all of it: {whole:.2f} s)"
+
+
+LM_EVAL_ROUTES = {"local-completions": "completions", "local-chat-completions": "chat/completions"}
+
+
+def _lm_eval_on_the_server(client, backend: str, tasks: list[str], evaluation, **settings) -> dict:
+    from lm_eval import simple_evaluate
+
+    from app.evaluation.harness import task_manager
+
+    url = f"{str(client.base_url).rstrip('/')}/{LM_EVAL_ROUTES[backend]}"
+    return simple_evaluate(
+        model=backend, model_args={"model": "demo", "base_url": url, "tokenizer_backend": "huggingface",
+                                   "max_retries": 1, "timeout": 120, **settings},
+        tasks=tasks, task_manager=task_manager(evaluation), apply_chat_template=True, limit=evaluation.limit,
+        log_samples=True, random_seed=evaluation.seed)
+
+
+def _per_document(results: dict, task: str) -> list:
+    return [doc["filtered_resps"] for doc in sorted(results["samples"][task], key=lambda d: d["doc_id"])]
+
+
+def test_lm_eval_scores_the_server_as_its_hf_backend_scores_the_adapter(served, embedded, monkeypatch):
+    """lm-evaluation-harness's `local-completions` (loglikelihood: echo + logprobs over token ids, batched;
+    generation) and `local-chat-completions` against the served adapter get what its Hugging Face backend
+    gets on the same adapter folder: the same likelihood per answer, the same greedy answers, the same scores."""
+    from app.evaluation.harness import Evaluation, run_harness
+
+    client, adapters = served
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what lm-eval's API models send as the bearer key
+    tasks = ["embedded_spelling_choice", "embedded_spelling"]
+    evaluation = Evaluation(tasks, limit=24, chat_template=True, log_samples=True,
+                            metadata={"embedded_data": str(embedded["eval"].parent)})
+    local = run_harness(str(embedded["model"]), adapters["demo"], evaluation)
+    completions = _lm_eval_on_the_server(client, "local-completions", tasks, evaluation, batch_size=8,
+                                         tokenizer=adapters["demo"], tokenized_requests=True)
+    chat = _lm_eval_on_the_server(client, "local-chat-completions", ["embedded_spelling"], evaluation,
+                                  tokenizer=adapters["demo"])
+    ours, theirs = _per_document(completions, tasks[0]), _per_document(local, tasks[0])
+    assert len(ours) == len(theirs) == 24
+    assert [ll for doc in ours for ll, _ in doc] == pytest.approx([ll for doc in theirs for ll, _ in doc], abs=1e-4)
+    assert completions["results"][tasks[0]]["acc,none"] == local["results"][tasks[0]]["acc,none"]
+    for served_results in (completions, chat):
+        assert _per_document(served_results, tasks[1]) == _per_document(local, tasks[1])
+        assert served_results["results"][tasks[1]]["exact_match,none"] == local["results"][tasks[1]]["exact_match,none"]

@@ -3,18 +3,13 @@ engine and PEFT model, driven over HTTP by the OpenAI client through Starlette's
 
 from __future__ import annotations
 
-import pytest
+import shutil
+from pathlib import Path
 
-from tests.unit.serve.reference import random_adapter
+import pytest
+from safetensors.torch import load_file, save_file
 
 KEY = "test-key-0123456789"
-
-
-@pytest.fixture(scope="session")
-def adapters(embedded, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: str(random_adapter(embedded["model"], root / name, seed))
-            for name, seed in (("noisy", 3), ("other", 4))}
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +39,14 @@ def client(http):
     from openai import OpenAI
 
     return OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0)
+
+
+@pytest.fixture
+def altered_base(embedded, tmp_path) -> Path:
+    """A copy of the embedded base with one weight changed: same files, other bytes."""
+    copy = Path(shutil.copytree(embedded["model"], tmp_path / "base"))
+    weights = load_file(copy / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy

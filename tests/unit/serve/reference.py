@@ -29,3 +29,13 @@ def plain_greedy(base, adapter, messages=QUESTION, max_new_tokens: int = 12) -> 
         out = model.eval().generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def plain_logprobs(base, adapter, ids: list[int]) -> list[float]:
+    """Each token's log-probability after the ones before it (the first has none), by plain PEFT alone."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()

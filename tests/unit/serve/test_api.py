@@ -54,7 +54,8 @@ TOO_LONG = [{"role": "user", "content": "seven " * 300}]
     ({"stop": [""]}, "stop"),
     ({"seed": "x"}, "seed"),
     ({"presence_penalty": 1}, "presence_penalty"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": "many"}, "logprobs"),
     ({"tools": []}, "tools"),  # anything not supported is refused by name
 ])
 def test_a_bad_field_gets_400_naming_it_before_any_generation(http, served, change, param):

@@ -10,22 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from safetensors.torch import load_file, save_file
 
 from app.serve.models import load
 from app.tracking.adapters import Base, check_base
 from app.tracking.pyfunc import AdapterModel, weights_digest
-
-
-@pytest.fixture
-def altered_base(embedded, tmp_path) -> Path:
-    """A copy of the embedded base with one weight changed: same files, other bytes."""
-    copy = Path(shutil.copytree(embedded["model"], tmp_path / "base"))
-    weights = load_file(copy / "model.safetensors")
-    name = next(iter(weights))
-    weights[name] = weights[name] + 1e-3
-    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
-    return copy
 
 
 def test_a_base_with_other_weights_than_recorded_is_refused(embedded, altered_base):

@@ -1,0 +1,91 @@
+"""A promotion under load: jobs.serve follows `@champion` while clients keep asking and jobs.promote moves it.
+
+    python -m benchmarks.promotion NAME --candidate VERSION --metric TASK/METRIC [--output-dir DIR] [--clients 4]
+
+The registry (MLFLOW_TRACKING_URI, else the local store under --output-dir) must hold NAME with `@champion`
+set (`python -m jobs.promote NAME --candidate 1 ...` makes the first one). Starts `python -m jobs.serve
+--adapter served=models:/NAME@champion --follow-interval-s 2`, N clients asking greedily without pause, then
+runs `python -m jobs.promote` on the candidate. Prints one JSON line: the promotion's exit code and reason, the
+requests answered and failed, how many each version answered, and the seconds from the promotion's end to
+the first answer by the new version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from benchmarks.serve import PROMPTS, free_port, start, wait_ready
+
+
+def ask_until(client, stop: threading.Event, answers: list, worker: int) -> None:
+    i = worker
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            reply = client.chat.completions.create(model="served", temperature=0, max_tokens=16,
+                                                   messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+            answers.append((time.time(), reply.system_fingerprint, time.perf_counter() - t0, None))
+        except Exception as e:  # a failed request is what this measures
+            answers.append((time.time(), None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:200]))
+        i += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from openai import OpenAI
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.promotion", description=__doc__.split("\n")[0])
+    p.add_argument("name")
+    p.add_argument("--candidate", required=True)
+    p.add_argument("--metric", required=True)
+    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--after-s", type=float, default=15.0, help="keep asking this long after the promotion")
+    args = p.parse_args(argv)
+    key, port = secrets.token_urlsafe(24), free_port()
+    server = start([sys.executable, "-m", "jobs.serve", "--port", str(port), "--output-dir", args.output_dir,
+                    "--adapter", f"served=models:/{args.name}@champion", "--follow-interval-s", "2"],
+                   {**os.environ, "SERVE_API_KEY": key})
+    answers, stop = [], threading.Event()
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+        wait_ready(client, server, "served")
+        clients = [threading.Thread(target=ask_until, args=(client, stop, answers, i)) for i in range(args.clients)]
+        for thread in clients:
+            thread.start()
+        time.sleep(5)
+        promotion = subprocess.run([sys.executable, "-m", "jobs.promote", args.name, "--candidate", args.candidate,
+                                    "--metric", args.metric, "--output-dir", args.output_dir],
+                                   capture_output=True, text=True)
+        promoted_at = time.time()
+        time.sleep(args.after_s)
+        stop.set()
+        for thread in clients:
+            thread.join()
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=120)
+    lines = promotion.stdout.strip().splitlines()
+    new = next((fingerprint for _, fingerprint, _, _ in reversed(answers) if fingerprint), None)
+    first_new = min((t for t, fingerprint, _, _ in answers if fingerprint == new and t >= promoted_at - 60),
+                    default=None)
+    print(json.dumps({
+        "promote_exit_code": promotion.returncode, "reason": lines[-2] if len(lines) > 1 else promotion.stderr[-300:],
+        "requests": len(answers), "failed": sum(error is not None for *_, error in answers),
+        "errors": sorted({error for *_, error in answers if error})[:3],
+        "answered_by": dict(collections.Counter(fingerprint for _, fingerprint, _, _ in answers if fingerprint)),
+        "seconds_to_new_version": None if first_new is None else round(first_new - promoted_at, 2),
+        "p50_latency_s": sorted(latency for _, _, latency, _ in answers)[len(answers) // 2] if answers else None}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

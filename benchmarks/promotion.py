@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             thread.join()
     finally:
         os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=120)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
     lines = promotion.stdout.strip().splitlines()
     new = next((fingerprint for _, fingerprint, _, _ in reversed(answers) if fingerprint), None)
     first_new = min((t for t, fingerprint, _, _ in answers if fingerprint == new and t >= promoted_at - 60),

@@ -6,8 +6,10 @@ Starts `python -m jobs.serve` (an API key, the adapters and their base) and `tra
 transformers CLI's OpenAI-compatible server: the base alone, it serves no LoRA adapter), each on a free
 loopback port. On each: N greedy requests one after another, then the same N at once (N threads of the
 OpenAI client), `--rounds` times; jobs.serve's requests cycle over the base and every adapter,
-transformers serve's all go to the base. Prints one JSON line: completion tokens/s and p50/p99 latency of
-each way, and the speed-up of concurrent over sequential.
+transformers serve's all go to the base. Then a lone request's latency, like for like: the base on both, one
+request at a time (`--rounds` x N), the same prompts and greedy tokens. Prints one JSON line: completion
+tokens/s and p50/p99 latency of each way, the speed-up of concurrent over sequential, and the lone request's
+p50 latency and tokens on each server with their ratio.
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ def bench_server(name: str, command: list[str], env: dict, port: int, api_key: s
         wait_ready(client, server, models[0])
         result = {"ready_seconds": time.perf_counter() - t0}
         measure(client, models, 1, args.max_tokens, 1)  # warm-up
-        return result | measure(client, models, args.clients, args.max_tokens, args.rounds)
+        alone = measure(client, models[:1], args.clients * args.rounds, args.max_tokens, 1)["sequential"]
+        return result | measure(client, models, args.clients, args.max_tokens, args.rounds) | {
+            "lone_request_on_the_base": {"p50_latency_s": alone["p50_latency_s"],
+                                         "completion_tokens_per_second": alone["completion_tokens_per_second"]}}
     except SystemExit as e:
         return {"error": f"{name}: {e}"}
     finally:
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                   "--host", "127.0.0.1", "--device", "cpu"]
         report["transformers_serve"] = bench_server("transformers serve", theirs, dict(os.environ), port, "none",
                                                     [base], args)
+    ours, theirs = (report.get(k, {}).get("lone_request_on_the_base", {}).get("p50_latency_s")
+                    for k in ("jobs_serve", "transformers_serve"))
+    if ours and theirs:
+        report["lone_request_latency_ratio"] = ours / theirs
     print(json.dumps(report), flush=True)
     return 0
 

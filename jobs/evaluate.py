@@ -93,8 +93,10 @@ def evaluate(client, source: str | None, base: str | None, args: argparse.Namesp
     except ValueError as e:
         raise UserInputError(str(e)) from None
     evaluation = evaluation_of(args, evaluated.base)
-    pinned = f"models:/{evaluated.version[0]}/{evaluated.version[1]}" if evaluated.version else source
-    results, where = evaluate_where_it_fits(evaluated.base, pinned, args.output_dir, evaluation)
+    located = None if evaluated.folder is None else str(evaluated.folder.resolve())  # also where a GPU task runs
+    if evaluated.version:
+        located = "models:/{}/{}".format(*evaluated.version)  # downloaded where the task runs
+    results, where = evaluate_where_it_fits(evaluated.base, located, args.output_dir, evaluation)
     figures = scores(results)
     run_id = record_scores(client, evaluated, figures, results)
     return {"source": source or evaluated.base, "version": evaluated.version and evaluated.version[1],

@@ -116,9 +116,12 @@ def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str],
         raise
     except Exception:
         claim.raise_if_lost()  # the aborted workers' error is not the reason
+        if job.trial and job.trial.stopping and job.trial.stopping():
+            status = None  # a sweep's trial stopped with its sweep: the sweep ends the run (KILLED, interrupted)
         raise
     finally:
-        mlflow_synced = recording.end_run(job.cfg, job.run_id, status) if claim.reason is None else False
+        ended = claim.reason is None and status is not None
+        mlflow_synced = recording.end_run(job.cfg, job.run_id, status) if ended else False
     return metrics, model, mlflow_synced
 
 

@@ -59,3 +59,4 @@ class TrialLink:
     copied_step: int | None = None  # the step of another trial's checkpoint it starts from: logged anew after it
     reports: object = None  # ray.util.queue.Queues: filled by app/launch/trainer.py's TrialReports callback,
     go_on: object = None  # and by the trial function once Ray Tune has taken the report
+    stopping: object = None  # () -> bool: Ray Tune is stopping the trial (Ctrl-C, `ray job stop` of the sweep)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import ray
 import yaml
 from ray import tune
+from ray.train._internal.session import get_session
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.util.queue import Queue
@@ -122,7 +124,7 @@ def run_trial(values: dict, sweep: Sweep) -> None:
     copied_step = note_lineage(cfg, start) if start is not None and resume else None
     part = cfg.train.run_name if start is None else f"{cfg.train.run_name}.part-{uuid.uuid4().hex[:6]}"
     link = TrialLink(part, start, copied_step, Queue(actor_options={"num_cpus": 0}),
-                     Queue(actor_options={"num_cpus": 0}))
+                     Queue(actor_options={"num_cpus": 0}), trial_stopping)
     training = in_background("trial", run_finetune, cfg, resume, False, None, link)
     training.add_done_callback(lambda _: link.reports.put(None))
     while (item := link.reports.get()) is not None:
@@ -135,7 +137,22 @@ def run_trial(values: dict, sweep: Sweep) -> None:
             tune.report(report, checkpoint=checkpoint and tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
         if not last:  # tune.report returned: the scheduler lets the trial go on
             link.go_on.put(report["step"])
-    training.result()  # the run's own error, if it failed
+    try:
+        training.result()  # the run's own error, if it failed
+    except Exception:
+        if trial_stopping():  # the worker group died with the stopping trial: no error of its own; Ray Tune
+            time.sleep(STOPPING_GRACE_S)  # ends this process, the sweep ends its run KILLED
+        raise
+
+
+STOPPING_GRACE_S = 60.0
+
+
+def trial_stopping() -> bool:
+    """Ray Tune is stopping this trial: its session's stop event is set (Trainable.stop) before the process ends
+    and the trial's worker group with it (Ray's own session object: no public call tells it)."""
+    session = get_session()
+    return bool(session is not None and session.stop_event.is_set())
 
 
 def note_lineage(cfg: FinetuneConfig, start) -> int | None:

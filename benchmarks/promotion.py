@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from benchmarks.serve import PROMPTS, free_port, start, wait_ready
+from benchmarks.serve import PROMPTS, free_port, start, stop_server, wait_ready
 
 
 def ask_until(client, stop: threading.Event, answers: list, worker: int) -> None:
@@ -71,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for thread in clients:
             thread.join()
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server, signal.SIGINT)
     lines = promotion.stdout.strip().splitlines()
     new = next((fingerprint for _, fingerprint, _, _ in reversed(answers) if fingerprint), None)
     first_new = min((t for t, fingerprint, _, _ in answers if fingerprint == new and t >= promoted_at - 60),

@@ -42,6 +42,15 @@ def start(command: list[str], env: dict) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def stop_server(server: subprocess.Popen, sig: int) -> None:
+    """`sig` to the server's process group; SIGKILL if it has not ended a minute later."""
+    os.killpg(server.pid, sig)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
 def wait_ready(client, server: subprocess.Popen, model: str, timeout: float = 300) -> None:
     """Until the server answers a one-token request (it loads the model on the first one)."""
     deadline = time.time() + timeout
@@ -102,11 +111,7 @@ def bench_server(name: str, command: list[str], env: dict, port: int, api_key: s
     except SystemExit as e:
         return {"error": f"{name}: {e}"}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:

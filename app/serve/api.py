@@ -218,10 +218,8 @@ def _chat_job(served: Served, encoder: PromptEncoder, request: ChatRequest) -> J
 
 
 def _completion_job(served: Served, tokenizer, request: CompletionRequest, prompt: str | list[int], i: int) -> Job:
-    param = "prompt" if isinstance(request.prompt, str) or isinstance(request.prompt[0], int) else f"prompt.{i}"
+    param = "prompt" if request.single else f"prompt.{i}"
     adapter = served.adapter(request.model)
-    if request.stream and len(request.prompts) > 1:
-        raise ApiError(400, "prompt: a streamed request takes one prompt", "prompt", "invalid_value")
     ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
     if not ids:
         raise ApiError(400, f"{param}: the prompt is empty", param, "invalid_value")

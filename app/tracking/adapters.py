@@ -41,7 +41,7 @@ def same_location(one: str, other: str) -> bool:
 
 def registered_version(client, uri: str) -> tuple[str, str]:
     """(name, version) of models:/NAME/VERSION or models:/NAME@ALIAS, as the registry has them now."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # start-up: jobs.serve checks its arguments before MLflow loads
 
     spec = uri.removeprefix("models:/").strip("/")
     name, at, alias = spec.partition("@")
@@ -60,7 +60,7 @@ def pinned(source: str, client=None) -> str:
     """A registry alias as the version it names now (models:/NAME/VERSION); any other source as it is."""
     if not (source.startswith("models:/") and "@" in source):
         return source
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # start-up: as above
 
     return "models:/{}/{}".format(*registered_version(client or MlflowClient(), source))
 

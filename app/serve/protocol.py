@@ -42,6 +42,7 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, message if not path or not param else f"{param}: {message}", param, "invalid_value")
 
 
+MIN_SAMPLING_TEMPERATURE = 1e-4  # below: greedy, what it would sample anyway (logits / 5e-324 overflow to inf)
 MAX_STOP_CHARS = 512  # a stop is looked for after every token: its length bounds that work
 
 
@@ -120,7 +121,7 @@ class _Generation(_Strict):
     def sampling(self) -> tuple:
         """What must be equal for two requests to share one generate call: greedy, or the sampling
         settings (a seeded one samples alone: the engine's rule, Job.seeded)."""
-        if self.temperature == 0:
+        if self.temperature < MIN_SAMPLING_TEMPERATURE:
             return ("greedy",)
         return ("sample", self.temperature, self.top_p)
 
@@ -186,9 +187,15 @@ class CompletionRequest(_Generation):
             raise ValueError("max_tokens: 0 generates nothing: it needs echo: true (to score the prompt)")
         if self.max_tokens == 0 and self.stream:
             raise ValueError("max_tokens: 0 (scoring only) cannot be streamed")
+        if self.stream and not self.single:
+            raise ValueError("prompt: a streamed request takes one prompt")
         return self
 
     @property
+    def single(self) -> bool:
+        """One prompt (text, or a list of token ids), not a list of them."""
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+
+    @property
     def prompts(self) -> list[str | list[int]]:
-        one = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
-        return [self.prompt] if one else list(self.prompt)
+        return [self.prompt] if self.single else list(self.prompt)

@@ -133,3 +133,5 @@ def test_sampling_is_honoured_and_a_seed_repeats_it(client):
     greedy = client.chat.completions.create(model="noisy", messages=QUESTION, max_tokens=12).choices[0].message.content
     samples = [sample(seed) for seed in (1, 1, 2)]
     assert samples[0] == samples[1] and len({greedy, *samples}) >= 2
+    tiny = client.chat.completions.create(model="noisy", messages=QUESTION, max_tokens=12, temperature=5e-324)
+    assert tiny.choices[0].message.content == greedy  # a temperature whose scaling would overflow: greedy

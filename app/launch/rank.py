@@ -27,6 +27,8 @@ from app.train.recipe import FinetuneRecipe, NoTracking
 
 # Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+# Ray Train 2.60: how often its controller polls the workers; a reported checkpoint is registered at a poll
+HEALTH_CHECK_ENV, HEALTH_CHECK_DEFAULT_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0
 NO_DEADLINE_RESTART_S = 120.0  # ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S
 TRIAL_DECISION_SECONDS = 600.0  # a sweep's trial waits this long at most for Ray Tune to take its report
 
@@ -64,6 +66,11 @@ class RayCheckpoints:
             # a token for an earlier step is one its group's previous attempt did not take (a restart)
             while self.trial.go_on.get(timeout=TRIAL_DECISION_SECONDS) < metrics["step"]:
                 pass
+
+    def registration_seconds(self) -> float:
+        """A reported checkpoint becomes the one a restart starts from when the controller next polls the workers
+        (the poll itself may take as long again): a drain's last save leaves room for both."""
+        return 2 * float(os.environ.get(HEALTH_CHECK_ENV, HEALTH_CHECK_DEFAULT_S))
 
     def preemption_deadline(self) -> float | None:
         """Ray Train's notice that a node of this group is draining for preemption (a node's SIGTERM, which

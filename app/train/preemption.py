@@ -21,12 +21,13 @@ class DrainNotice:
         self.deadline, self.late_save_done = deadline, False
         return True
 
-    def closing(self, now: float, step_seconds: float, save_seconds: float) -> bool:
-        """True when the last chance to save has come: another step and a save would not fit before the
-        deadline with room to spare. Each rank answers from its own clock; the recipe takes any rank's yes."""
+    def closing(self, now: float, step_seconds: float, save_seconds: float, registration_seconds: float = 0.0) -> bool:
+        """True when the last chance to save has come: another step, a save and its registration (the time a
+        saved checkpoint takes to become the one a restart starts from) would not fit before the deadline
+        with room to spare. Each rank answers from its own clock; the recipe takes any rank's yes."""
         if self.late_save_done or self.deadline is None:
             return False
-        return self.deadline - now < 2 * (step_seconds + save_seconds) + 1.0
+        return self.deadline - now < 2 * (step_seconds + save_seconds) + registration_seconds + 1.0
 
     def late_save_taken(self) -> None:
         self.late_save_done = True

@@ -82,6 +82,9 @@ class CheckpointStore(Protocol):
         """When a node of this group will be reclaimed (wall-clock seconds); None: no notice. Every rank sees
         the notice at the same step. Asked once per step by every rank."""
 
+    def registration_seconds(self) -> float:
+        """How long a saved checkpoint may take to count as the latest (for a drain's last save)."""
+
 
 class FinetuneRecipe:
     """Train until `train.max_steps` optimizer steps are done, the same number on every rank, or until
@@ -243,7 +246,8 @@ class FinetuneRecipe:
             self.tracker.log_metrics({"preemption_notice_seconds_left": deadline - time.time()}, step,
                                      once_per_step=False)
             return True
-        closing = self.notice.closing(time.time(), self.loop_seconds, self.save_seconds)
+        closing = self.notice.closing(time.time(), self.loop_seconds, self.save_seconds,
+                                      self.checkpoints.registration_seconds())
         if not self.notice.late_save_done and max_over_ranks(float(closing), self.ctx):
             self.notice.late_save_taken()
             self.tracker.log_metrics({"preemption_late_checkpoint_seconds_left": deadline - time.time()}, step,

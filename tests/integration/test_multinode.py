@@ -170,7 +170,8 @@ def test_a_run_outlives_a_preempted_node_and_a_lost_one_and_grows_back(cluster, 
     assert resumed[0].step >= late.step  # the checkpoint saved just before the deadline (or a later one)
     figures = _costs(history, resumed, drained_at, lost_at)
     print(json.dumps(figures))  # what docs/performance.md quotes
-    assert figures["drain"]["steps_redone"] <= 3  # the steps between the late checkpoint and the deadline
+    # the steps between the late checkpoint (room left for two steps, saves and registrations) and the deadline
+    assert figures["drain"]["steps_redone"] <= 4
 
 
 def _costs(history: RunHistory, resumed: list, drained_at: float, lost_at: float) -> dict:

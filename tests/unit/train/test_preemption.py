@@ -14,3 +14,11 @@ def test_a_notice_checkpoints_at_once_and_again_just_before_its_deadline():
     assert not notice.closing(now=998.0, step_seconds=1.0, save_seconds=0.5)  # once per notice
     assert notice.is_new(2000.0) and notice.closing(now=1999.0, step_seconds=1.0, save_seconds=0.5)  # a new one
 
+
+def test_the_last_save_leaves_room_for_the_checkpoint_to_be_registered():
+    notice = DrainNotice()
+    notice.is_new(1000.0)
+    # 7 s before the deadline another step and save fit, but not their registration by Ray Train's controller
+    assert not notice.closing(now=993.0, step_seconds=1.0, save_seconds=0.5)
+    assert notice.closing(now=993.0, step_seconds=1.0, save_seconds=0.5, registration_seconds=4.0)
+

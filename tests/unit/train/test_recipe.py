@@ -43,6 +43,9 @@ class DirectoryCheckpoints:
         directory.mkdir(parents=True, exist_ok=True)
         write(directory)
 
+    def registration_seconds(self):
+        return 0.0
+
     def preemption_deadline(self):
         self.steps += 1
         return 4102444800.0 if self.notice_at_step and self.steps >= self.notice_at_step else None

@@ -1,5 +1,5 @@
 """Batched generation for the chat server: one thread owns the model and runs concurrent requests as
-one `generate` call, each row with its own adapter (PEFT's `adapter_names`; `__base__` for none).
+one `generate` call, each row with its own adapter (app/serve/routing.py picks the forward that does it).
 
 Requests that may share a call are those with the same sampling settings (every greedy one; sampled
 ones with equal temperature and top_p; a seeded one alone). A row stops on its own: at an end-of-turn
@@ -25,9 +25,9 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from app.serve.logprobs import StepLogprobs, TokenLogprob, entries, score_prompts
+from app.serve.routing import Router
 
 log = logging.getLogger(__name__)
-NO_ADAPTER = "__base__"  # PEFT's row name for the base model alone
 RETIRE_AFTER_S = 5.0  # a replaced adapter is deleted once unused this long after its replacement
 
 
@@ -124,6 +124,7 @@ class Engine:
     def __init__(self, model, tokenizer, max_batch_size: int = 8, context: int | None = None,
                  batch_wait_s: float = 0.005):
         self.model, self.tokenizer, self.context = model, tokenizer, context
+        self.router = Router(model)
         self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
         eos = model.generation_config.eos_token_id
         self.eos = {*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id} - {None}
@@ -223,9 +224,9 @@ class Engine:
             waiting.remove(job)
         if not batch:
             return
-        adapters = [job.adapter or NO_ADAPTER for job in batch]
         scored = self._attempt(batch, "scoring", lambda: score_prompts(
-            self.model, [job.prompt for job in batch], adapters, self.pad, [job.logprobs for job in batch]))
+            *self.router.route([job.adapter for job in batch]), [job.prompt for job in batch], self.pad,
+            [job.logprobs for job in batch]))
         if scored is None:
             return
         for job, (prompt_logprobs, following) in zip(batch, scored):
@@ -253,12 +254,12 @@ class Engine:
         def generate() -> bool:
             if jobs[0].seeded:
                 torch.manual_seed(jobs[0].seed)  # a seeded sampled job runs alone; greedy ones draw nothing
+            model, adapters = self.router.route([job.adapter for job in jobs])
             with torch.no_grad():
-                self.model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.pad, **sampling,
-                                    max_new_tokens=max(job.max_tokens for job in jobs),
-                                    logits_processor=LogitsProcessorList([step]),
-                                    stopping_criteria=StoppingCriteriaList([_Rows(self, jobs, step)]),
-                                    adapter_names=[job.adapter or NO_ADAPTER for job in jobs])
+                model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.pad, **sampling, **adapters,
+                               max_new_tokens=max(job.max_tokens for job in jobs),
+                               logits_processor=LogitsProcessorList([step] if any(step.wanted) else []),
+                               stopping_criteria=StoppingCriteriaList([_Rows(self, jobs, step)]))
             return True
 
         if self._attempt(jobs, "generation", generate):

@@ -33,15 +33,16 @@ def entries(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLo
 
 
 @torch.no_grad()
-def score_prompts(model, prompts: list[list[int]], adapters: list[str], pad: int,
+def score_prompts(model, adapters: dict, prompts: list[list[int]], pad: int,
                   top: list[int]) -> list[tuple[list[TokenLogprob], torch.Tensor]]:
     """For each prompt: its tokens' entries (`top[i]` alternatives each) and the distribution of the token
-    after it. One forward pass, right-padded: a real token never attends to padding and keeps its position,
-    so each row scores as it would alone."""
+    after it. One forward pass of `model` (with `adapters`, the arguments that pick each row's adapter),
+    right-padded: a real token never attends to padding and keeps its position, so each row scores as it
+    would alone."""
     width = max(map(len, prompts))
     ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    logits = model(input_ids=ids, attention_mask=mask, adapter_names=adapters).logits
+    logits = model(input_ids=ids, attention_mask=mask, **adapters).logits
     scored = []
     for row, (prompt, k) in enumerate(zip(prompts, top)):
         logprobs = torch.log_softmax(logits[row, :len(prompt)].float(), dim=-1)

@@ -1,0 +1,39 @@
+"""Each batch takes the cheapest forward that answers it exactly: the base alone through a view without
+PEFT's wrappers (sharing its weights), one adapter through PEFT's active adapter, mixed rows through
+`adapter_names`; all three give the logits PEFT's per-row path gives."""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from app.serve.routing import NO_ADAPTER, base_view
+
+
+def _logits(model, ids, **adapters):
+    with torch.no_grad():
+        return model(input_ids=ids, **adapters).logits
+
+
+def test_the_base_view_shares_every_weight_and_has_no_adapter_in_it(served):
+    router = served[0].engine.router
+    assert not any(isinstance(m, BaseTunerLayer) for m in router.base.modules())
+    shared = {p.data_ptr() for p in router.model.parameters()}
+    assert {p.data_ptr() for p in router.base.parameters()} <= shared  # no weight copied
+    again = base_view(router.model.get_base_model())
+    assert sum(p.numel() for p in again.parameters()) == sum(p.numel() for p in router.base.parameters())
+
+
+def test_every_route_answers_as_peft_row_by_row(served):
+    router = served[0].engine.router
+    ids = torch.tensor([[5, 17, 42, 8, 99, 23], [7, 7, 31, 64, 2, 11], [12, 40, 3, 3, 77, 5]])
+    per_row = _logits(router.model, ids, adapter_names=[NO_ADAPTER, "noisy", "other"])
+    for row, adapter in enumerate([None, "noisy", "other"]):
+        model, adapters = router.route([adapter, adapter])
+        assert adapters == {} and (model is router.base) == (adapter is None)
+        alone = _logits(model, ids[row:row + 1].repeat(2, 1))
+        torch.testing.assert_close(alone, per_row[row:row + 1].repeat(2, 1, 1))
+    model, adapters = router.route(["other", None, "noisy"])
+    assert adapters == {"adapter_names": ["other", NO_ADAPTER, "noisy"]}
+    torch.testing.assert_close(_logits(model, ids[[2, 0, 1]], **adapters), per_row[[2, 0, 1]])
+    assert not torch.allclose(per_row[0], per_row[1])  # the adapters change the answer

@@ -59,7 +59,8 @@ def render() -> str:
         lines += [f"## `{section}`", "", (model.__doc__ or "").strip(), "",
                   "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for key, field in model.model_fields.items():
-            default = "none" if field.default is None else f"`{yaml_value(field.default)}`"
+            value = field.get_default(call_default_factory=True)  # a factory's value, e.g. []
+            default = "none" if value is None else f"`{yaml_value(value)}`"
             lines.append(f"| `{section}.{key}` | {type_name(field.annotation)}{bounds(field.metadata)} | "
                          f"{default} | {field.description or ''} |")
         lines.append("")

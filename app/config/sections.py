@@ -193,7 +193,8 @@ class TrainSection(Section):
     export: Literal["last", "best"] = Field("last", description="which weights become the run's adapter: the "
                                             "last step's, or those of the evaluation with the best train.best_metric")
     eval_tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks scored on the "
-                                  "run's adapter when it has trained (lm-eval's Hugging Face backend, as "
+                                  "run's adapter when it has trained (the one train.export chose; lm-eval's "
+                                  "Hugging Face backend, as "
                                   "`python -m jobs.evaluate`): lm_eval/<task>/<metric> on the run, the results "
                                   "JSON as an artifact; e.g. [embedded_spelling]")
     sample_prompts: int = Field(4, ge=0, description="eval prompts whose greedy generations are logged as an "

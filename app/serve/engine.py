@@ -155,11 +155,14 @@ class Engine:
             item.done.set_result(item.work())
         except Exception as e:  # the caller hears of it; generation goes on
             item.done.set_exception(e)
+        finally:
+            self.router.forget()  # a chore may load or delete adapters
 
     def _delete_retired(self, waiting: deque[Job]) -> None:
         for adapter, since in list(self.retired.items()):
             if time.monotonic() - since >= RETIRE_AFTER_S and all(job.adapter != adapter for job in waiting):
                 self.model.delete_adapter(adapter)
+                self.router.forget()
                 del self.retired[adapter]
 
     def advance(self, job: Job, token: int, logprobs: torch.Tensor | None = None) -> None:

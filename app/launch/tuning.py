@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -123,20 +124,16 @@ def run_trial(values: dict, sweep: Sweep) -> None:
     resume = cfg.run_dir.has_record()
     copied_step = note_lineage(cfg, start) if start is not None and resume else None
     part = cfg.train.run_name if start is None else f"{cfg.train.run_name}.part-{uuid.uuid4().hex[:6]}"
+    STOPPED.clear()  # a process Ray Tune reuses runs one trial at a time
     link = TrialLink(part, start, copied_step, Queue(actor_options={"num_cpus": 0}),
                      Queue(actor_options={"num_cpus": 0}), trial_stopping)
     training = in_background("trial", run_finetune, cfg, resume, False, None, link)
     training.add_done_callback(lambda _: link.reports.put(None))
-    while (item := link.reports.get()) is not None:
-        report, checkpoint = item
-        last = FINISHED in report
-        if last:  # the run records itself first: Ray Tune may end this process on its last report
-            link.go_on.put(report["step"])
-            training.result()
-        if last or sweep.metric in report:  # not a drain's checkpoint between evaluations: nothing to rank
-            tune.report(report, checkpoint=checkpoint and tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
-        if not last:  # tune.report returned: the scheduler lets the trial go on
-            link.go_on.put(report["step"])
+    try:
+        hand_reports_to_tune(link, training, sweep.metric)
+    except SystemExit:  # how tune.report ends a trial it stops (clearing the session's stop event as it does)
+        STOPPED.set()
+        raise
     try:
         training.result()  # the run's own error, if it failed
     except Exception:
@@ -145,14 +142,31 @@ def run_trial(values: dict, sweep: Sweep) -> None:
         raise
 
 
+def hand_reports_to_tune(link: TrialLink, training, metric: str) -> None:
+    """Each report of the trial's worker group to Ray Tune, with its checkpoint; the group goes on when Tune lets it."""
+    while (item := link.reports.get()) is not None:
+        report, checkpoint = item
+        last = FINISHED in report
+        if last:  # the run records itself first: Ray Tune may end this process on its last report
+            link.go_on.put(report["step"])
+            training.result()
+        if last or metric in report:  # not a drain's checkpoint between evaluations: nothing to rank
+            tune.report(report, checkpoint=checkpoint and tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
+        if not last:  # tune.report returned: the scheduler lets the trial go on
+            link.go_on.put(report["step"])
+
+
 STOPPING_GRACE_S = 60.0
+STOPPED = threading.Event()  # Ray Tune stopped this process's trial at a report
 
 
 def trial_stopping() -> bool:
-    """Ray Tune is stopping this trial: its session's stop event is set (Trainable.stop) before the process ends
-    and the trial's worker group with it (Ray's own session object: no public call tells it)."""
+    """Ray Tune is stopping this trial, before the process ends and the trial's worker group with it: its session's
+    stop event is set (Trainable.stop; Ray's own session object: no public call tells it), or, once the trial's
+    report has seen that event and cleared it as it ends the trial, STOPPED. A module function: the link that
+    carries it goes to the workers too."""
     session = get_session()
-    return bool(session is not None and session.stop_event.is_set())
+    return STOPPED.is_set() or bool(session is not None and session.stop_event.is_set())
 
 
 def note_lineage(cfg: FinetuneConfig, start) -> int | None:

@@ -124,7 +124,7 @@ def run_trial(values: dict, sweep: Sweep) -> None:
     resume = cfg.run_dir.has_record()
     copied_step = note_lineage(cfg, start) if start is not None and resume else None
     part = cfg.train.run_name if start is None else f"{cfg.train.run_name}.part-{uuid.uuid4().hex[:6]}"
-    STOPPED.clear()  # a process Ray Tune reuses runs one trial at a time
+    TrialStop.begin()
     link = TrialLink(part, start, copied_step, Queue(actor_options={"num_cpus": 0}),
                      Queue(actor_options={"num_cpus": 0}), trial_stopping)
     training = in_background("trial", run_finetune, cfg, resume, False, None, link)
@@ -132,7 +132,7 @@ def run_trial(values: dict, sweep: Sweep) -> None:
     try:
         hand_reports_to_tune(link, training, sweep.metric)
     except SystemExit:  # how tune.report ends a trial it stops (clearing the session's stop event as it does)
-        STOPPED.set()
+        TrialStop.at_report.set()
         raise
     try:
         training.result()  # the run's own error, if it failed
@@ -157,16 +157,28 @@ def hand_reports_to_tune(link: TrialLink, training, metric: str) -> None:
 
 
 STOPPING_GRACE_S = 60.0
-STOPPED = threading.Event()  # Ray Tune stopped this process's trial at a report
+
+
+class TrialStop:
+    """Whether Ray Tune is stopping this process's trial, before the process ends and the trial's worker group with
+    it. Tune's stop sets the trial session's stop event (Trainable.stop -> session.finish) and drops the session
+    right after (shutdown_session), so the session is held from the trial's start; a stop that finds the trial
+    inside tune.report clears the event as it ends the trial with SystemExit, which the trial notes (`at_report`).
+    Ray's own session object: no public call tells it. Class state: the check travels to the workers and pickles."""
+
+    session = None
+    at_report = threading.Event()
+
+    @classmethod
+    def begin(cls) -> None:
+        """A trial starts in this process (Ray Tune may reuse a process, one trial at a time)."""
+        cls.session = get_session()
+        cls.at_report.clear()
 
 
 def trial_stopping() -> bool:
-    """Ray Tune is stopping this trial, before the process ends and the trial's worker group with it: its session's
-    stop event is set (Trainable.stop; Ray's own session object: no public call tells it), or, once the trial's
-    report has seen that event and cleared it as it ends the trial, STOPPED. A module function: the link that
-    carries it goes to the workers too."""
-    session = get_session()
-    return STOPPED.is_set() or bool(session is not None and session.stop_event.is_set())
+    session = TrialStop.session
+    return TrialStop.at_report.is_set() or bool(session is not None and session.stop_event.is_set())
 
 
 def note_lineage(cfg: FinetuneConfig, start) -> int | None:

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 SHAPES = Path(__file__).resolve().parent / "shapes"
-# the job as its users run it: checkpointing, compile and micro-batch chosen by the plan (docs/performance.md)
-AUTO_CHOICES = ["model.gradient_checkpointing=auto", "model.compile=auto", "train.micro_batch_size=auto"]
+# the job as its users run it: checkpointing, compile, micro-batch and mesh chosen by the plan (docs/performance.md)
+AUTO_CHOICES = ["model.gradient_checkpointing=auto", "model.compile=auto", "train.micro_batch_size=auto",
+                "scaling.mesh=auto"]
 DEFAULT_OUT = "outputs/benchmark"
 
 
@@ -37,8 +38,8 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     flags = ["--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),
              "--accum", str(cfg.grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype, "--dtype", cfg.model.dtype,
              "--lora-r", str(cfg.lora.r), "--loss-chunk-tokens", str(cfg.train.loss_chunk_tokens)]
-    if cfg.model.gradient_checkpointing == "auto" or cfg.model.compile == "auto":
-        raise ValueError("benchmarks/step.py takes resolved settings: give gradient_checkpointing and compile")
+    if "auto" in (cfg.model.gradient_checkpointing, cfg.model.compile, cfg.scaling.mesh):
+        raise ValueError("benchmarks/step.py takes resolved settings: give gradient_checkpointing, compile and mesh")
     flags += ["--checkpoint-every-n-layers", str(cfg.model.checkpoint_every_n_layers)] \
         if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]
@@ -46,7 +47,7 @@ def step_flags(cfg: FinetuneConfig) -> list[str]:
     flags += ["--compile"] if cfg.model.compile else []
     flags += ["--quantization", cfg.model.quantization] if cfg.model.quantization != "none" else []
     flags += ["--attn-implementation", cfg.model.attn_implementation] if cfg.model.attn_implementation else []
-    flags += ["--mesh", *map(str, cfg.scaling.mesh)] if cfg.scaling.mesh else []
+    flags += ["--mesh", *map(str, cfg.scaling.mesh_shape(cfg.scaling.num_workers))] if cfg.scaling.mesh else []
     return flags
 
 

@@ -149,7 +149,8 @@ def run(args) -> dict:
             continue
         result[mode] = job([*common, *choices, f"data.packing={packing}", f"train.global_batch_size={rows}",
                             f"train.max_steps={steps}", f"train.eval_every={eval_every}",
-                            f"train.checkpoint_every={steps}", f"train.run_name=realistic-{mode}-{stamp}"])
+                            f"train.checkpoint_every={steps}", f"train.run_name=realistic-{mode}-{stamp}",
+                            *args.set])  # the caller's last: one setting A/B'd on the same data and model
         result[mode]["global_batch_rows"] = rows
     warmup = str(min(2, args.steps - 1))  # steps left out of the torchrun modes' throughput
     for mode, command in torchrun_modes(args, model, train, evals, out, result["dtype"], warmup).items():
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/benchmark")
     parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
                         help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for the job's modes, after the benchmark's own (repeatable)")
     args = parser.parse_args(argv)
     write_and_log(run(args), Path(args.out), "realistic", plot)
     return 0

@@ -179,10 +179,12 @@ def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str |
 
 def mesh_covers_the_workers(scaling: ScalingSection) -> str | None:
     mesh = scaling.mesh
-    if mesh is not None and (len(mesh) != 2 or mesh[0] * mesh[1] != scaling.num_workers or min(mesh) < 1):
+    if not isinstance(mesh, list):  # None, replicate and auto fit any worker count, an elastic group's too
+        return None
+    if len(mesh) != 2 or mesh[0] * mesh[1] != scaling.num_workers or min(mesh) < 1:
         return (f"scaling.mesh={mesh} must be [replicas, shard size] with replicas x shard size = "
                 f"scaling.num_workers = {scaling.num_workers}")
-    if mesh is not None and scaling.elastic:
+    if scaling.elastic:
         return (f"scaling.mesh={mesh} with scaling.min_workers={scaling.min_workers}: an HSDP mesh is for a fixed "
                 "worker count; unset one of them")
     return None

@@ -234,8 +234,11 @@ class ScalingSection(Section):
     device_memory_gb: float | None = Field(None, gt=0.0, description="memory of one worker's device (GiB; host "
                                            "memory with CPU workers) that the auto choices plan against and a run "
                                            "must fit in (90% usable); None: asked of the cluster before launch")
-    mesh: list[int] | None = Field(None, description="[replicas, shard size] for HSDP: shard within groups of "
-                                   "`shard size` workers (a node), replicate across groups; None: shard over all")
+    mesh: list[int] | Literal["replicate", "auto"] | None = Field(
+        None, description="[replicas, shard size] for HSDP: shard within groups of `shard size` workers (a node), "
+                          "replicate across groups; None: shard over all; replicate: every worker holds the whole "
+                          "model (no gathers, only the LoRA gradients are averaged: a shard size of 1); auto: "
+                          "replicate where the memory plan fits with it, else shard over all")
     min_workers: int | None = Field(None, gt=0, description="elastic runs: keep training on as few as this many "
                                     "workers when nodes are lost or preempted (from the latest checkpoint, the same "
                                     "global batch: accumulation makes up the rest), and grow back to num_workers "
@@ -257,9 +260,12 @@ class ScalingSection(Section):
         return range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1)
 
     def mesh_shape(self, workers: int) -> tuple[int, ...]:
-        """The device mesh of a group of `workers`: (workers,) for FSDP, or scaling.mesh's [replicas, shard
-        size] for HSDP. Its last dimension is the shard group: the ranks each parameter is split over."""
-        return tuple(self.mesh) if self.mesh else (workers,)
+        """The device mesh of a group of `workers`: (workers,) for FSDP (and for an unresolved auto), or
+        [replicas, shard size] for HSDP, (workers, 1) replicated. Its last dimension is the shard group: the ranks
+        each parameter is split over."""
+        if self.mesh == "replicate":
+            return workers, 1
+        return tuple(self.mesh) if isinstance(self.mesh, list) else (workers,)
 
 
 class MlflowSection(Section):

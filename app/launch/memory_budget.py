@@ -49,7 +49,7 @@ def worker_memory_budget(cfg: FinetuneConfig) -> tuple[float, str]:
 
 
 def with_memory_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
-    """The config as the workers train it (checkpointing and micro-batch resolved) and why, each auto choice
+    """The config as the workers train it (checkpointing, micro-batch and mesh resolved) and why, each auto choice
     printed; a one-line error when the plan does not fit the worker's memory. A model the planner cannot read
     (an architecture without the usual config fields) trains unchecked, its auto choices the memory-saving ones."""
     budget = worker_memory_budget(cfg)
@@ -69,12 +69,16 @@ def with_memory_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, 
 
 
 def memory_saving_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
-    """Without a plan: checkpointing on every layer and micro-batches of one, where they are auto."""
-    model, train, reasons = cfg.model, cfg.train, {}
+    """Without a plan: checkpointing on every layer, micro-batches of one and parameters sharded over every worker,
+    where they are auto."""
+    model, train, scaling, reasons = cfg.model, cfg.train, cfg.scaling, {}
     if model.gradient_checkpointing == "auto":
         model = model.model_copy(update={"gradient_checkpointing": True, "checkpoint_every_n_layers": 1})
         reasons["model.gradient_checkpointing"] = "true (no memory plan: the memory-saving choice)"
     if train.micro_batch_size == "auto":
         train = train.model_copy(update={"micro_batch_size": 1})
         reasons["train.micro_batch_size"] = "1 (no memory plan: the memory-saving choice)"
-    return cfg.model_copy(update={"model": model, "train": train}), reasons
+    if scaling.mesh == "auto":
+        scaling = scaling.model_copy(update={"mesh": None})
+        reasons["scaling.mesh"] = "null (no memory plan: sharded over every worker, the memory-saving choice)"
+    return cfg.model_copy(update={"model": model, "train": train, "scaling": scaling}), reasons

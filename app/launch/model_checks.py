@@ -111,7 +111,8 @@ def check_nf4_shapes(cfg: FinetuneConfig) -> None:
     """model.quantization=nf4 splits each quantized weight's rows over the ranks of a shard group in whole
     NF4 blocks: checked on a weightless copy of the model before any worker starts."""
     base = build_meta_base_model(cfg.model)
-    groups = [cfg.shard_group_size] if cfg.scaling.mesh else cfg.scaling.worker_counts  # elastic: every size
+    fixed = cfg.scaling.mesh not in (None, "auto")  # else sharded over the whole group: every size it may have
+    groups = [cfg.shard_group_size] if fixed else cfg.scaling.worker_counts
     for shards in groups:
         if problem := quantization_problem(base, decoder_layers(base), shards):
             raise UserInputError(f"model.quantization=nf4: {problem}; use a number of workers (or scaling.mesh "

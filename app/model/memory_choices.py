@@ -1,17 +1,22 @@
 """What `auto` resolves to for the choices that trade speed against memory, from the memory plan
 (app/model/memory_plan.py) against one worker's memory budget: model.gradient_checkpointing (off, on every n-th
-decoder layer, on every layer) and train.micro_batch_size. Plain arithmetic on the meta device: the budget comes
+decoder layer, on every layer), train.micro_batch_size and scaling.mesh (every worker holding the whole model, or
+its parameters sharded over all of them). Plain arithmetic on the meta device: the budget comes
 from the caller (the cluster's, or scaling.device_memory_gb), and a run whose explicit choices do not fit is
 refused here, before any worker starts, rather than failing at its first step.
 
 The order: the least recomputation first (recomputing a checkpointed layer costs about a third of its step, on
-every step), then the largest micro-batch that fits with it (fewer, fuller passes); an explicit value is kept.
+every step), then the largest micro-batch that fits with it (fewer, fuller passes), then replicated before sharded
+(a sharded step gathers every layer's weights, twice with reshard_after_forward; replicated, the workers exchange
+only the LoRA gradients: 1.34x the sharded step on 2 CPU workers, docs/performance.md); an explicit value is kept.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import product
+from typing import Literal
 
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
@@ -19,6 +24,7 @@ from app.model.memory_plan import GiB, MemoryPlan, checkpointed_layers, plan_mem
 
 USABLE = 0.9  # of a device's memory: CUDA context and allocator fragmentation take the rest (host: the OS, Ray)
 Checkpointing = tuple[bool, int]  # (on, every n-th layer)
+Mesh = Literal["replicate"] | None  # what scaling.mesh=auto resolves to
 
 
 @dataclass(frozen=True)
@@ -36,26 +42,26 @@ class MemoryChoices:
 
 def resolve_memory_choices(cfg: FinetuneConfig, budget_bytes: float, budget_source: str,
                            config_file: str | None = None) -> MemoryChoices:
-    """The config with checkpointing and micro-batch resolved to the fastest that fits `budget_bytes`, or the
-    most memory-saving with a refusal when nothing (or the explicit choice) fits."""
-    base = plan_memory(_with(cfg, (False, 1), 1), config_file)  # planned once: only the activations vary
-    auto_checkpointing = cfg.model.gradient_checkpointing == "auto"
-    auto_micro = cfg.train.micro_batch_size == "auto"
-    checkpointing = checkpointing_options(base.num_layers) if auto_checkpointing else [
-        (cfg.model.gradient_checkpointing, cfg.model.checkpoint_every_n_layers)]
-    micro_batches = micro_batch_options(cfg) if auto_micro else [cfg.train.micro_batch_size]
+    """The config with checkpointing, micro-batch and mesh resolved to the fastest that fits `budget_bytes`, or
+    the most memory-saving with a refusal when nothing (or the explicit choice) fits."""
+    autos = {key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
+                                    ("train.micro_batch_size", cfg.train.micro_batch_size),
+                                    ("scaling.mesh", cfg.scaling.mesh)) if value == "auto"}
+    checkpointing = [(cfg.model.gradient_checkpointing, cfg.model.checkpoint_every_n_layers)]
+    micro_batches = micro_batch_options(cfg) if "train.micro_batch_size" in autos else [cfg.train.micro_batch_size]
+    meshes = mesh_options(cfg) if "scaling.mesh" in autos else [cfg.scaling.mesh]
+    bases = [plan_memory(_with(cfg, (False, 1), 1, mesh), config_file) for mesh in meshes]  # activations vary
+    if "model.gradient_checkpointing" in autos:
+        checkpointing = checkpointing_options(bases[0].num_layers)
     usable = USABLE * budget_bytes
-    for option in checkpointing:
-        for micro in micro_batches:
-            candidate = _with(cfg, option, micro)
-            plan = with_activations_of(base, candidate)
-            if plan.device_total <= usable:
-                return MemoryChoices(candidate, _reasons(candidate, plan, usable, budget_source, auto_checkpointing,
-                                                         auto_micro), plan)
-    thriftiest = _with(cfg, checkpointing[-1], micro_batches[-1])
-    plan = with_activations_of(base, thriftiest)
-    return MemoryChoices(thriftiest, {}, plan, _does_not_fit(thriftiest, plan, usable, budget_source,
-                                                            auto_checkpointing or auto_micro))
+    for option, micro, (mesh, base) in product(checkpointing, micro_batches, zip(meshes, bases)):
+        candidate = _with(cfg, option, micro, mesh)
+        plan = with_activations_of(base, candidate)
+        if plan.device_total <= usable:
+            return MemoryChoices(candidate, _reasons(candidate, plan, usable, budget_source, autos), plan)
+    thriftiest = _with(cfg, checkpointing[-1], micro_batches[-1], meshes[-1])
+    plan = with_activations_of(bases[-1], thriftiest)
+    return MemoryChoices(thriftiest, {}, plan, _does_not_fit(thriftiest, plan, usable, budget_source, bool(autos)))
 
 
 def checkpointing_options(num_layers: int) -> list[Checkpointing]:
@@ -80,32 +86,43 @@ def micro_batch_options(cfg: FinetuneConfig) -> list[int]:
             if all(batch % (size * workers) == 0 for workers in cfg.scaling.worker_counts)]
 
 
-def _with(cfg: FinetuneConfig, checkpointing: Checkpointing, micro: int) -> FinetuneConfig:
+def mesh_options(cfg: FinetuneConfig) -> list[Mesh]:
+    """Replicated, then sharded over every worker; one worker has nothing to shard over."""
+    return ["replicate", None] if cfg.scaling.num_workers > 1 else [None]
+
+
+def _with(cfg: FinetuneConfig, checkpointing: Checkpointing, micro: int, mesh) -> FinetuneConfig:
     on, every = checkpointing
-    model = cfg.model.model_copy(update={"gradient_checkpointing": on, "checkpoint_every_n_layers": every})
-    return cfg.model_copy(update={"model": model,
-                                  "train": cfg.train.model_copy(update={"micro_batch_size": micro})})
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"gradient_checkpointing": on, "checkpoint_every_n_layers": every}),
+        "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
+        "scaling": cfg.scaling.model_copy(update={"mesh": mesh})})
 
 
 def _describe(cfg: FinetuneConfig, num_layers: int) -> str:
     count = checkpointed_layers(cfg.model, num_layers)
     ckpt = "off" if not count else f"on {count} of {num_layers} layers"
-    return f"checkpointing {ckpt}, micro-batch {cfg.train.micro_batch_size}"
+    whole = ", every worker holding the whole model" if cfg.scaling.mesh == "replicate" else ""
+    return f"checkpointing {ckpt}, micro-batch {cfg.train.micro_batch_size}{whole}"
 
 
-def _reasons(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str, auto_checkpointing: bool,
-             auto_micro: bool) -> dict[str, str]:
+def _reasons(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str, autos: set[str]) -> dict[str, str]:
     fits = f"{plan.device_total / GiB:.2f} GiB planned per worker, {usable / GiB:.1f} GiB usable ({source})"
     model, reasons = cfg.model, {}
-    if auto_checkpointing:
+    if "model.gradient_checkpointing" in autos:
         count = checkpointed_layers(model, plan.num_layers)
         value = "false" if not count else f"true, every {model.checkpoint_every_n_layers} layer(s)"
         why = ("fits without it" if not count else
                f"{count} of {plan.num_layers} layers checkpointed: the fewest that fit")
         reasons["model.gradient_checkpointing"] = f"{value} ({why}: {fits})"
-    if auto_micro:
+    if "train.micro_batch_size" in autos:
         reasons["train.micro_batch_size"] = (f"{cfg.train.micro_batch_size} (the largest that splits the global "
                                              f"batch and fits: {fits})")
+    if "scaling.mesh" in autos:
+        reasons["scaling.mesh"] = ("replicate (every worker holds the whole model, no gathers: " if cfg.scaling.mesh
+                                   else "null (sharded over every worker: ") + (
+            f"{fits})" if cfg.scaling.mesh or cfg.scaling.num_workers == 1
+            else f"replicated does not fit with these choices; {fits})")
     return reasons
 
 
@@ -113,5 +130,5 @@ def _does_not_fit(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: 
     tried = "the most memory-saving auto choice: " if auto else ""
     return (f"the memory plan needs {plan.device_total / GiB:.2f} GiB per worker ({tried}"
             f"{_describe(cfg, plan.num_layers)}), more than the {usable / GiB:.1f} GiB usable ({source}, 90%): set "
-            "model.gradient_checkpointing and train.micro_batch_size to auto, add workers (parameters shard over "
-            "them), or shorten data.max_seq_len; python -m jobs.plan shows the plan")
+            "model.gradient_checkpointing, train.micro_batch_size and scaling.mesh to auto, add workers (parameters "
+            "shard over them), or shorten data.max_seq_len; python -m jobs.plan shows the plan")

@@ -123,7 +123,8 @@ def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int)
 
 
 def format_plan(plan: MemoryPlan, device_memory_gb: float | None) -> str:
-    lines = [f"per worker: {plan.workers} workers, parameters sharded {plan.shard} ways; "
+    layout = "every worker holds the whole model" if plan.shard == 1 else f"parameters sharded {plan.shard} ways"
+    lines = [f"per worker: {plan.workers} workers, {layout}; "
              f"base {plan.base_params / 1e9:.3f} B params, LoRA {plan.lora_params / 1e6:.2f} M params"]
     for where, parts in (("device", plan.device), ("host (cpu_offload)", plan.host)):
         for name, value in parts.items():

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from app.errors import first_line
+from app.model.segment_attention import SEGMENTS_KERNEL, segment_lengths
 
 # Records isolated: a packed record's loss within this relative gap of its loss alone (fp32 rounding is ~1e-7).
 ISOLATED_GAP = 1e-5
@@ -90,11 +91,15 @@ def block_causal_mask(config, position_ids: torch.Tensor, dtype: torch.dtype):
 
 
 def feed_inputs(feed: str, config, position_ids: torch.Tensor, dtype: torch.dtype) -> dict:
-    """What a packed row needs besides its input ids and position ids, for `feed`."""
-    return {"attention_mask": block_causal_mask(config, position_ids, dtype)} if feed == "mask" else {}
+    """What a packed row needs besides its input ids and position ids, for `feed` (and the record lengths for the
+    CPU's per-record kernel, app/model/segment_attention.py)."""
+    inputs = {"attention_mask": block_causal_mask(config, position_ids, dtype)} if feed == "mask" else {}
+    if getattr(config, "_attn_implementation", None) == SEGMENTS_KERNEL:
+        inputs["packed_segments"] = segment_lengths(position_ids)
+    return inputs
 
 
-MASK_KERNELS = (None, "sdpa", "eager")  # attention kernels that take a prepared 4-D mask tensor
+MASK_KERNELS = (None, "sdpa", "eager", SEGMENTS_KERNEL)  # attention kernels that take a prepared 4-D mask tensor
 
 
 def probe_kernel(attn_implementation: str | None) -> str | None:

@@ -171,10 +171,11 @@ class FinetuneRecipe:
         from the seed or model.init_adapter), AdamW over the LoRA weights and the LR schedule."""
         ctx = self.ctx
         cfg = with_dtypes_resolved(self.cfg, on_every_rank(has_fast_bf16(ctx.device), ctx))
-        cfg, compile_figures = with_compile_resolved(cfg, ctx)
+        cfg, compile_figures, compile_why = with_compile_resolved(cfg, ctx)
         self.cfg = cfg
         self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype, "resolved.model.compile": cfg.model.compile,
-                                 "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype})
+                                 "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype}
+                                | ({"auto.model.compile": compile_why.split("; ")[0]} if compile_why else {}))
         if compile_figures:
             self.tracker.log_metrics(compile_figures, step=0, once_per_step=False)
         torch.manual_seed(cfg.train.seed)

@@ -71,7 +71,7 @@ def test_nothing_that_fits_and_an_explicit_choice_that_does_not_are_refused_in_o
     with pytest.raises(UserInputError, match=r"needs .* GiB per worker \(the most memory-saving auto choice: "
                                              r"checkpointing on 32 of 32 layers, micro-batch 1\), more than the 3.6"):
         nothing.fitting()
-    explicit = resolve(24, "model.gradient_checkpointing=false", "train.micro_batch_size=8")
+    explicit = resolve(24, "model.gradient_checkpointing=false", "train.micro_batch_size=8", "scaling.mesh=null")
     assert explicit.refusal.startswith("the memory plan needs") and "auto choice" not in explicit.refusal
 
 
@@ -89,3 +89,24 @@ def test_jobs_plan_prints_what_auto_resolves_to(capsys):
     assert "auto: model.gradient_checkpointing=false" in out and "auto: train.micro_batch_size=" in out
     assert main(["--config", CONFIG_8B, "--model-config", SHAPE_8B]) == 2  # a GPU config: auto needs its memory
     assert "give --device-memory-gb" in capsys.readouterr().err
+
+
+def test_the_mesh_is_replicated_where_the_whole_model_fits_else_sharded_over_every_worker():
+    fixed = ("model.gradient_checkpointing=false", "train.micro_batch_size=1")
+    replicated = planned_gib(*fixed, "scaling.mesh=replicate")
+    sharded = planned_gib(*fixed)
+    assert sharded + 10 < replicated  # 8B: 16 GB of bf16 weights whole, 2 GB an eighth
+    roomy = resolve(replicated / 0.9 + 0.01, *fixed, "scaling.mesh=auto")
+    assert roomy.cfg.scaling.mesh == "replicate" and roomy.cfg.shard_group_size == 1
+    assert roomy.reasons["scaling.mesh"].startswith("replicate (every worker holds the whole model")
+    tight = resolve(replicated / 0.9 - 0.01, *fixed, "scaling.mesh=auto")
+    assert tight.cfg.scaling.mesh is None and tight.cfg.shard_group_size == 8 and not tight.refusal
+    assert tight.reasons["scaling.mesh"].startswith("null (sharded over every worker: replicated does not fit")
+    # less recomputation before less sharding: sharded without checkpointing beats replicated with it
+    order = resolve(replicated / 0.9 - 0.01, "train.micro_batch_size=1", "scaling.mesh=auto")
+    assert order.cfg.model.gradient_checkpointing is False and order.cfg.scaling.mesh is None
+    # an elastic group replicates at any size; one worker has nothing to choose
+    elastic = resolve(400, *fixed, "scaling.mesh=auto", "scaling.min_workers=6", "train.global_batch_size=168").cfg
+    assert elastic.scaling.mesh == "replicate" and elastic.scaling.mesh_shape(7) == (7, 1)
+    alone = resolve(400, *fixed, "scaling.mesh=auto", "scaling.num_workers=1", "train.global_batch_size=8").cfg
+    assert alone.scaling.mesh is None and alone.scaling.mesh_shape(1) == (1,)

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from app.data.chat import IGNORE_INDEX
 from app.model.packing_probe import SMALL_SIZES, packing_isolation
+from app.model.segment_attention import use_segments_on_cpu
 from app.train.loss import summed_token_loss
 
 pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
@@ -99,3 +100,7 @@ def test_the_probe_decides_and_a_chunked_loss_step_trains(model_type):
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # experts no token chose get none
     assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
     assert loss.item() == pytest.approx(plain, rel=1e-5)
+    if isolation.feed is not None:  # the CPU's per-record attention, where the model takes it: the same loss
+        use_segments_on_cpu(model.get_base_model())
+        with torch.no_grad():
+            assert summed_token_loss(model, batch, chunk_tokens=8).item() == pytest.approx(plain, rel=1e-5)

@@ -50,8 +50,10 @@ def test_lm_eval_shaped_batches_of_prompts_and_adapters_score_each_as_alone(http
         for i, prompt in enumerate(prompts):
             alone = _post(http, {"model": model, **request, "prompt": prompt}).json()["choices"][0]
             assert choices[i]["index"] == i and len(choices[i]["logprobs"]["tokens"]) == len(prompt) + 1
+            # fp32 rows batched or alone: matmul blocking reorders sums (1.2e-5 seen on AVX-512); a row scored with
+            # another's adapter or tokens would be off by 1e-2 and more
             assert choices[i]["logprobs"]["token_logprobs"][1:] == pytest.approx(
-                alone["logprobs"]["token_logprobs"][1:], abs=1e-5)
+                alone["logprobs"]["token_logprobs"][1:], abs=1e-4)
             greedy = choices[i]["logprobs"]  # the one generated token is the most likely
             assert greedy["token_logprobs"][-1] == pytest.approx(max(greedy["top_logprobs"][-1].values()))
     assert together["other"][0]["logprobs"] != together["base"][0]["logprobs"]

@@ -13,7 +13,7 @@ from app.config.loading import load_config
 from app.data.chat import IGNORE_INDEX
 from app.model.build import build_lora_model
 from app.model.sharding import build_device_mesh, shard_model
-from app.train.loss import ChunkedLinearCrossEntropy, chunkable_head, summed_token_loss
+from app.train.loss import ChunkedLinearCrossEntropy, chunkable_head, sampled_token_logps, summed_token_loss
 from tests.helpers import ARCHITECTURES, TINY, run_ranks
 
 
@@ -53,6 +53,23 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_lora_gradients(architect
     loss, grads = _loss_and_grads(model, _batch(), chunk_tokens=7)
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     _assert_same_grads(grads, plain_grads)
+
+
+def test_the_chunked_head_gives_the_plain_log_probs_and_entropies_at_the_targets_and_zero_elsewhere():
+    """Only target positions go through the chunked head (a prompt's or a pad's logits weigh nothing): what
+    GRPO reads, the sampled tokens' log-probabilities and the policy's entropy, is the plain loss's there."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **(TINY | ARCHITECTURES["llama"]))
+    model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    batch = _batch()
+    targets = batch["labels"][:, 1:] != IGNORE_INDEX
+    with torch.no_grad():
+        plain_logps, plain_entropy = sampled_token_logps(model, batch, 0, temperature=0.7)
+        logps, entropy = sampled_token_logps(model, batch, 7, temperature=0.7)
+    torch.testing.assert_close(logps[targets], plain_logps[targets])
+    torch.testing.assert_close(entropy[targets], plain_entropy[targets])
+    assert not logps[~targets].any() and not entropy[~targets].any() and plain_entropy[~targets].all()
 
 
 @pytest.mark.parametrize("architecture,sizes", [("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0}),

@@ -17,7 +17,7 @@ from torch import nn
 from app.model.adapter import REFERENCE, apply_lora, init_lora_weights, load_adapter_weights, rows_of_loaded_model
 from app.model.base import build_meta_base_model, enable_activation_checkpointing, load_base_model
 from app.model.quantization import quantize_layer
-from app.model.segment_attention import use_segments_on_cpu
+from app.model.segment_attention import attends_per_record, use_segments_on_cpu
 from app.model.sharding import shard_group_size, shard_model
 from app.model.slices import SliceReader, checkpoint_index, checkpoint_weight, materialize_from_slices, weight_files
 
@@ -65,6 +65,6 @@ def build_training_model(model_cfg, lora_cfg, fsdp_cfg, mesh, seed: int, device:
     if init_adapter is not None:
         for adapter_name in ("default", REFERENCE) if reference else ("default",):
             load_adapter_weights(model, init_adapter, adapter_name)
-    if device.type == "cpu" and model_cfg.attn_implementation is None and not model_cfg.compile:
+    if attends_per_record(model_cfg, device) and not model_cfg.compile:
         use_segments_on_cpu(model.get_base_model())  # packed rows: attention per record (compiled: a recompile each)
     return model

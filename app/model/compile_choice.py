@@ -26,6 +26,7 @@ import torch
 from app.config.schema import FinetuneConfig
 from app.model.adapter import apply_lora
 from app.model.hardware import cpu_flags, torch_dtype
+from app.model.segment_attention import attends_per_record
 from app.model.sharding import decoder_layers
 
 MIN_GAIN = 1.10  # eager / compiled step time at least this: compile's start-up cost and the timing's noise
@@ -55,8 +56,7 @@ def decide_compile(cfg: FinetuneConfig, device: torch.device, cache_dir: Path) -
         return False, "NF4 layers are not compiled"
     if device.type == "cpu" and not shutil.which("c++") and not shutil.which("g++"):
         return False, "no C++ compiler on this host for inductor's CPU kernels"
-    if (device.type == "cpu" and cfg.data.packing and cfg.model.attn_implementation is None
-            and not cfg.model.gradient_checkpointing):
+    if cfg.data.packing and attends_per_record(cfg.model, device) and not cfg.model.gradient_checkpointing:
         return False, "packed rows on a CPU train with per-record attention, which compiled layers give up"
     key = _shape_key(cfg, device)
     remembered = _read_choices(cache_dir).get(key)

@@ -118,11 +118,12 @@ def _reasons(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str, 
     if "train.micro_batch_size" in autos:
         reasons["train.micro_batch_size"] = (f"{cfg.train.micro_batch_size} (the largest that splits the global "
                                              f"batch and fits: {fits})")
-    if "scaling.mesh" in autos:
-        reasons["scaling.mesh"] = ("replicate (every worker holds the whole model, no gathers: " if cfg.scaling.mesh
-                                   else "null (sharded over every worker: ") + (
-            f"{fits})" if cfg.scaling.mesh or cfg.scaling.num_workers == 1
-            else f"replicated does not fit with these choices; {fits})")
+    if "scaling.mesh" in autos and cfg.scaling.mesh == "replicate":
+        reasons["scaling.mesh"] = f"replicate (every worker holds the whole model, no gathers: {fits})"
+    elif "scaling.mesh" in autos:
+        # one worker has nothing to choose: replicated was never an option
+        tried = "" if cfg.scaling.num_workers == 1 else "replicated does not fit with these choices; "
+        reasons["scaling.mesh"] = f"null (sharded over every worker: {tried}{fits})"
     return reasons
 
 

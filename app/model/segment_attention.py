@@ -81,6 +81,12 @@ def _plainly_causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             and not torch.compiler.is_compiling())
 
 
+def attends_per_record(model_cfg, device: torch.device) -> bool:
+    """Whether packed rows of this model section train with this kernel on `device` (uncompiled layers on SDPA,
+    the kernel transformers picks when model.attn_implementation is unset): what model.compile=auto weighs."""
+    return device.type == "cpu" and model_cfg.attn_implementation is None
+
+
 def use_segments_on_cpu(model: torch.nn.Module) -> None:
     """Switch a CPU model that runs transformers' SDPA (and can switch its kernel) to `sdpa_segments`."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa" and model._can_set_attn_implementation():

@@ -12,6 +12,8 @@ from app.model.segment_attention import MATMUL_UP_TO, SEGMENTS_KERNEL, segment_l
 from app.train.loss import summed_token_loss
 from tests.helpers import ARCHITECTURES, TINY
 
+causal_attention = segment_attention.causal_attention  # the real one, which the test's spy calls
+
 LENGTHS = [[5, 17, 1, MATMUL_UP_TO + 20, 12], [30, 8, 200, 9]]  # records short and long, a lone token
 
 
@@ -59,5 +61,3 @@ def test_per_record_attention_gives_the_masked_rows_loss_and_gradients(architect
         torch.testing.assert_close(grad, masked_grads[name], rtol=1e-4, atol=1e-6 * masked_grads[name].abs().max(),
                                    msg=name)
 
-
-causal_attention = segment_attention.causal_attention

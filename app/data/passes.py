@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from app.data.gym_tasks import is_task_source, task_name
+
 
 @dataclass(frozen=True)
 class PassPlan:
@@ -54,7 +56,7 @@ def _mix(*values: int) -> int:
 
 def source_names(paths: list[str]) -> tuple[str, ...]:
     """Short, distinct names for the sources: the file or directory name, numbered where they repeat."""
-    stems = [Path(p.rstrip("/")).stem or p for p in paths]
+    stems = [task_name(p) if is_task_source(p) else Path(p.rstrip("/")).stem or p for p in paths]
     return tuple(s if stems.count(s) == 1 else f"{s}-{i}" for i, s in enumerate(stems))
 
 

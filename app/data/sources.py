@@ -2,7 +2,8 @@
 
 Kinds of source: JSONL files, JSON files holding one array of records (Alpaca style), Parquet files
 (a local path or any URI pyarrow reads: s3://, gs://, ...), a `datasets` dataset written with
-`save_to_disk`, or a Hugging Face hub dataset id.
+`save_to_disk`, a Hugging Face hub dataset id, or a reasoning-gym task (`rg://TASK?size=N&seed=S...`,
+app/data/gym_tasks.py: generated into a JSONL file, then read as one).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.data.formatting import detect_format, required_fields
+from app.data.gym_tasks import is_task_source, write_task_source
 from app.errors import UserInputError, first_line
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -28,8 +30,12 @@ class DataSource:
     files: tuple[str, ...] = ()  # the local files, for jsonl and parquet on local disk
 
 
-def resolve_source(location: str, key: str = "data.train_path") -> DataSource:
-    """What kind of source `location` is; UserInputError if it names nothing usable."""
+def resolve_source(location: str, key: str = "data.train_path", held_out: frozenset[str] = frozenset()) -> DataSource:
+    """What kind of source `location` is; UserInputError if it names nothing usable. A reasoning-gym task is
+    generated here, without the problems whose questions are `held_out` (the eval source's)."""
+    if is_task_source(location):
+        file = str(write_task_source(location, key, held_out))
+        return DataSource("jsonl", file, (file,))
     if "://" in location:
         kind = "parquet" if location.rstrip("/").endswith(PARQUET_SUFFIXES) else "jsonl"
         if not location.rstrip("/").endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):

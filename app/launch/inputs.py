@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig
+from app.data.gym_tasks import is_task_source, questions_of
 from app.data.sources import DataSource, check_source, resolve_source, source_digest
 from app.errors import UserInputError, first_line
 from app.model.embedded import ensure_embedded
 from app.model.files import check_model_files
+from app.model.gguf import dequantized_folder
+from app.model.packaged import ensure_packaged
 from app.runs.layout import RunDir
 
 
@@ -37,19 +40,31 @@ class CheckedInputs(CheckedSources):
 
 
 def check_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:
-    """Before Ray starts: the embedded demo built if the config reads it, a hub model pinned to its commit,
-    what reads files alone (the model's directory, every data source and record: the commonest mistakes)."""
+    """Before Ray starts: the embedded demo or a packaged model built if the config reads it, a GGUF model
+    dequantized into its folder, a hub model pinned to its commit, what reads files alone (the model's directory,
+    every data source and record: the commonest mistakes)."""
     ensure_embedded(cfg)
-    cfg = pin_hub_revision(cfg)
+    cfg = pin_hub_revision(with_model_folder(cfg))
     return cfg, check_sources(cfg)
+
+
+def with_model_folder(cfg: FinetuneConfig) -> FinetuneConfig:
+    """The config with a GGUF model replaced by its dequantized folder, and a packaged model built: every later
+    step (the workers, the planner, sharded loading, the adapter's recorded base) reads an ordinary folder."""
+    ensure_packaged(cfg.model.path)
+    folder = dequantized_folder(cfg.model.path, cfg.model.gguf_file)
+    if folder == cfg.model.path:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "gguf_file": None})})
 
 
 def check_sources(cfg: FinetuneConfig) -> CheckedSources:
     """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
     local record."""
     check_model_files(cfg.model)
-    train = [resolve_source(path, "data.train_path") for path in cfg.data.train_paths]
     eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
+    held_out = frozenset(questions_of(eval_.files[0])) if is_task_source(cfg.data.eval_path) else frozenset()
+    train = [resolve_source(path, "data.train_path", held_out) for path in cfg.data.train_paths]
     train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
     eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     return CheckedSources(train, eval_, train_rows, eval_rows, [source_digest(source) for source in train],

@@ -13,6 +13,7 @@ from app.config.schema import FinetuneConfig
 from app.data.passes import source_key, source_names
 from app.environment import in_ray_job, ray_job_id
 from app.errors import first_line, warn
+from app.evaluation.gym_lm_eval import with_gym_tasks
 from app.evaluation.harness import Evaluation, scores, task_metadata
 from app.launch.evaluation import evaluate_where_it_fits
 from app.launch.inputs import CheckedInputs
@@ -82,7 +83,8 @@ def score_on_eval_tasks(cfg: FinetuneConfig, run_id: str, model: dict[str, str])
     try:
         results, where = evaluate_where_it_fits(
             cfg.model.path, cfg.run_dir.adapter, cfg.train.output_dir,
-            Evaluation(list(cfg.train.eval_tasks), seed=cfg.train.seed, metadata=task_metadata(cfg.model.path)))
+            with_gym_tasks(Evaluation(list(cfg.train.eval_tasks), seed=cfg.train.seed,
+                                      metadata=task_metadata(cfg.model.path)), "train.eval_tasks"))
         figures = scores(results)
         evaluated = Evaluated(cfg.train.run_name, None, cfg.model.path, run_id, version)
         record_scores(MlflowClient(cfg.mlflow.tracking_uri), evaluated, figures, results)

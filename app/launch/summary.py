@@ -44,6 +44,7 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "final_train_loss": metrics["final_train_loss"],
         "final_eval_loss": metrics["final_eval_loss"],
         **{k: v for k, v in metrics.items() if k.startswith("final_eval_") and k != "final_eval_loss"},
+        **{k: v for k, v in metrics.items() if k.startswith("initial_eval_") and k != "initial_eval_loss"},
         "best": {"metric": cfg.train.best_metric, "step": metrics.get("best_step"), "value": metrics.get("best_value"),
                  "exported": cfg.train.export == "best"},
         "stopped_early": bool(metrics.get("stopped_early")),

@@ -16,6 +16,7 @@ the training step how to feed packed rows:
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ def small_config_values(config) -> dict:
         name = aliases.get(key, key)
         if type(values.get(name)) is int and values[name] > small:
             values[name] = small
+    heads, kv_heads = (aliases.get(key, key) for key in ("num_attention_heads", "num_key_value_heads"))
+    if type(values.get(heads)) is int and type(values.get(kv_heads)) is int and values[heads] % values[kv_heads]:
+        values[kv_heads] = math.gcd(values[heads], values[kv_heads])  # 9 heads / 3 shrunk to 4 / 3: grouped still
     layers, vocab = values.get(layers_key), values.get(aliases.get("vocab_size", "vocab_size"))
     for key, value in list(values.items()):
         sub = getattr(config, key, None)

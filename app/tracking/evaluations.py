@@ -45,7 +45,7 @@ def resolve(client: MlflowClient, source: str | None, output_dir: str, base: str
         return Evaluated(source, folder, base or base_of(folder, uri).path,
                          client.get_model_version(name, version).run_id, (name, version))
     folder = adapter_folder(source, output_dir)
-    run = OutputDir(str(folder.parent.parent)).run(folder.parent.name)
+    run = OutputDir(str(folder.resolve().parent.parent)).run(folder.parent.name)  # output_dir may be relative
     run_id = run.recorded_mlflow_run_id() if folder.name == ADAPTER and run.has_record() else None
     return Evaluated(source, folder, base or base_of(folder).path, run_id)
 

@@ -40,6 +40,7 @@ class TrainerState:
     train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
     best: dict = field(default_factory=dict)  # app.evaluation.BestEvaluation.state()
     stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
+    initial_eval: dict = field(default_factory=dict)  # the untrained model's other eval figures (task metrics)
 
 
 # checkpoints written before "pass" named what they called "epoch": still resumed

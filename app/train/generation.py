@@ -57,9 +57,10 @@ def end_token_ids(model, tokenizer) -> list[int]:
 def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_ids: list[int], pad_id: int,
                  device: torch.device, everyone_done: Callable[[bool], bool] = bool) -> list[torch.Tensor]:
     """The argmax continuations of several prompts at once (left-padded; position ids count real tokens
-    only), each cut after its first token of `end_ids`. `everyone_done(mine)` says whether every rank's
-    rows have ended: the loop stops only then. Eager even where the layers are compiled (model.compile): a
-    growing width per token would recompile them past dynamo's limit for a few tokens' gain."""
+    only; the KV cache keeps each step to one new token), each cut after its first token of `end_ids`.
+    `everyone_done(mine)` says whether every rank's rows have ended: the loop stops only then. Eager even where
+    the layers are compiled (model.compile): a growing width per token would recompile them past dynamo's limit
+    for a few tokens' gain."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
@@ -68,11 +69,14 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_id
     ends = torch.tensor(end_ids, dtype=torch.long, device=device)
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new: list[torch.Tensor] = []
+    cache, fed = None, 0  # the keys and values of the tokens fed so far: each later step feeds one token
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.compiler.set_stance("force_eager"):
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        next_id = logits[:, -1].argmax(-1)
+            out = model(input_ids=ids[:, fed:], attention_mask=mask, position_ids=positions[:, fed:],
+                        past_key_values=cache, use_cache=True)
+        cache, fed = out.past_key_values, ids.shape[1]
+        next_id = out.logits[:, -1].argmax(-1)
         next_id = torch.where(ended, pad_id, next_id)
         new.append(next_id)
         ids, mask = torch.cat([ids, next_id[:, None]], 1), torch.cat([mask, (~ended)[:, None].long()], 1)

@@ -191,7 +191,8 @@ class FinetuneRecipe:
     def start_fresh(self) -> None:
         figures = self.evaluate() if self.cfg.train.eval_on_start else {}
         self.state = TrainerState(step=0, pass_index=0, rows_into_pass=0, scheduler={},
-                                  initial_eval_loss=self.eval_loss if figures else math.nan)
+                                  initial_eval_loss=self.eval_loss if figures else math.nan,
+                                  initial_eval={k: v for k, v in figures.items() if k.startswith("eval_")})
         if figures:
             self.rank_evaluation(0)
             self.startup.reached("initial_eval_done")
@@ -346,7 +347,8 @@ class FinetuneRecipe:
         reported with the step's figures: its evaluation's, if it had one (a sweep's scheduler ranks by them),
         and with `summary` the run's (the driver reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.pass_index, self.batches.rows_into_pass, self.scheduler.state_dict(),
-                                self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early)
+                                self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early,
+                                self.state.initial_eval)
         adapter = gather_trainable_state(self.model) if self.cfg.train.checkpoint_adapter else None
         evaluation = self.eval_figures if self.eval_step == step else {}
 
@@ -374,6 +376,7 @@ class FinetuneRecipe:
         summary = {"steps": self.step, "final_train_loss": self.train_loss,
                    "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
                    **{f"final_{k}": v for k, v in self.eval_figures.items() if k not in eval_metrics(0.0)},
+                   **{f"initial_{k}": v for k, v in self.state.initial_eval.items() if k not in eval_metrics(0.0)},
                    **self.meter.summary(), "time_to_first_step_seconds": self.time_to_first_step,
                    **self.startup.seconds,
                    "peak_memory_gb_max_over_workers": max_over_ranks(peak_memory_gb(ctx.device), ctx),

@@ -95,13 +95,14 @@ class Oracle(torch.nn.Module):
         self.rows, self.vocab, self.filler = rows, vocab, filler
         self.generation_config = GenerationConfig(eos_token_id=end_ids)
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=False):
         logits = torch.zeros(*input_ids.shape, self.vocab)
-        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+        fed = input_ids if past_key_values is None else torch.cat([past_key_values, input_ids], 1)  # its "cache"
+        for i, (ids, mask) in enumerate(zip(fed, attention_mask)):
             seen = ids[mask.bool()].tolist()
             row = next(r for r in self.rows if r[:len(seen)] == seen[:len(r)])
             logits[i, -1, row[len(seen)] if len(seen) < len(row) else self.filler] = 1.0
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, past_key_values=fed)
 
 
 def _oracle_scores(rank: int, world: int, tokenizer_dir: str, template: str | None, turns: int, max_new_tokens: int,

@@ -1,0 +1,77 @@
+"""reasoning-gym tasks as lm-evaluation-harness tasks, so that a run's held-out figure, `jobs.evaluate` and
+`jobs.promote` use one measure: the task's own `score_answer` of the answer a greedy generation gives (its
+<answer> tag, else its last number for a numeric task: app.data.gym_tasks, as the GRPO reward reads it).
+
+In `--tasks` and `train.eval_tasks` a task is named by its data source's own words,
+`rg://TASK?size=N&seed=S&param=value...` (the same problems as a run's data.eval_path), or `rg_TASK`
+(reasoning-gym's default parameters, 64 problems, seed 1000). Either is scored as the lm-eval task `rg_TASK`
+(its figure: lm_eval/rg_TASK/score). Its YAML is written here, into a folder keyed by the spec, with a
+two-line module lm-eval's `!function` finds beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from app.config.paths import input_path
+from app.data.gym_tasks import SCHEME, get_score_fn, lenient_answer, parse_spec, write_task_source
+from app.evaluation.harness import Evaluation
+
+PREFIX = "rg_"
+DEFAULT_PROBLEMS = "size=64&seed=1000"
+FOLDER = ".cache/lm_eval_tasks"
+MAX_ANSWER_TOKENS = 48
+MODULE = "from app.evaluation.gym_lm_eval import problems, process_results  # noqa: F401\n"
+
+
+def gym_spec(task: str) -> str | None:
+    """The rg:// source a --tasks entry names (`rg_TASK`: reasoning-gym's defaults), or None for any other task."""
+    if task.startswith(SCHEME):
+        return task
+    return f"{SCHEME}{task.removeprefix(PREFIX)}?{DEFAULT_PROBLEMS}" if task.startswith(PREFIX) else None
+
+
+def task_yaml(name: str, source: str) -> str:
+    return "\n".join([
+        f"task: {name}", "custom_dataset: !function gym_data.problems", "dataset_kwargs:",
+        f"  source: {json.dumps(source)}", "test_split: test", "output_type: generate_until",
+        'doc_to_text: "{{question}}"', "doc_to_target: answer", "generation_kwargs:", "  until: []",
+        f"  max_gen_toks: {MAX_ANSWER_TOKENS}", "  do_sample: false", "  temperature: 0.0",
+        "process_results: !function gym_data.process_results", "metric_list:", "  - metric: score",
+        "    aggregation: mean", "    higher_is_better: true", "metadata:", "  version: 1.0", ""])
+
+
+def with_gym_tasks(evaluation: Evaluation, key: str = "--tasks", folder: str | None = None) -> Evaluation:
+    """The evaluation with its reasoning-gym tasks written as lm-eval tasks (named rg_TASK) in a folder it
+    includes; unchanged where it names none. One line naming the entry where a spec is wrong."""
+    specs = {task: gym_spec(task) for task in evaluation.tasks}
+    if not any(specs.values()):
+        return evaluation
+    names = {task: f"{PREFIX}{parse_spec(spec, key).name}" for task, spec in specs.items() if spec}
+    key = hashlib.sha256(json.dumps(sorted(names.items())).encode()).hexdigest()[:12]
+    where = Path(folder or input_path(FOLDER)) / key
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "gym_data.py").write_text(MODULE)
+    for task, name in names.items():
+        (where / f"{name}.yaml").write_text(task_yaml(name, specs[task]))
+    return dataclasses.replace(evaluation, tasks=[names.get(task, task) for task in evaluation.tasks],
+                               include_paths=[*evaluation.include_paths, str(where)])
+
+
+def problems(source: str, **_):
+    """lm-eval's custom_dataset: the problems of a task source, as documents {question, answer, task, metadata}."""
+    import datasets  # start-up: lm-eval has loaded it by the time it asks
+
+    rows = [json.loads(line) for line in write_task_source(source, "--tasks").read_text().splitlines() if line]
+    docs = [{"question": r["prompt"][0]["content"], "answer": r["answer"], "task": r["task"],
+             "metadata": r["metadata"]} for r in rows]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """lm-eval's process_results: the task's own score of the answer the generation gives."""
+    entry = {"answer": str(doc["answer"]), "metadata": json.loads(doc["metadata"])}
+    return {"score": float(get_score_fn(doc["task"])(lenient_answer(results[0], entry["answer"]), entry))}

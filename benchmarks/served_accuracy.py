@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     scores = score_answer(answers, [r["answer"] for r in records], [r["task"] for r in records],
                           [r["metadata"] for r in records])
     mean = sum(scores) / len(scores)
-    stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1) / len(scores))
+    stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / max(len(scores) - 1, 1) / len(scores))
     print(json.dumps({"model": args.model, "problems": len(scores), "accuracy": mean, "stderr": stderr,
                       "seconds": round(time.perf_counter() - started, 1)}))
 

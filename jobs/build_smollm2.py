@@ -13,7 +13,7 @@ import json
 import time
 
 from app.errors import CommandParser, exit_code
-from app.model.packaged import ROOT, build_packaged, packaged_gguf
+from app.model.packaged import ROOT, build_packaged, packaged_folder, packaged_gguf
 
 NAME = "smollm2-135m-instruct"
 
@@ -23,7 +23,7 @@ def main() -> int:
     parser.add_argument("--root", default=ROOT, help="folder to write the model's folder into")
     args = parser.parse_args()
     started = time.perf_counter()
-    folder = build_packaged(NAME, args.root)
+    folder = build_packaged(NAME, packaged_folder(NAME, args.root))
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(json.dumps({"model": str(folder), "gguf": str(packaged_gguf(NAME)), "weights_bytes": weights,
                       "seconds": round(time.perf_counter() - started, 1)}))

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluate_and_print() -> int:
         client = tracking_client(args.output_dir)
-        done = evaluate(client, args.adapter, args.base and dequantized_folder(args.base), args)
+        done = evaluate(client, args.adapter, args.base and dequantized_folder(args.base, key="--base"), args)
         print_scores(done)
         print(json.dumps({k: v for k, v in done.items() if k != "higher_is_better"}))
         return 0

@@ -102,7 +102,7 @@ def export(args: argparse.Namespace) -> dict:
                              f"(`python -m jobs.finetune ... --resume {run_dir.name}` completes it)")
     local, _download = run_dir.local_copy("adapter")  # a copy only for a run on an object store
     adapter = Path(local)
-    base = base_model_dir(adapter, args.base and dequantized_folder(args.base)) if args.merge else None
+    base = base_model_dir(adapter, args.base and dequantized_folder(args.base, key="--base")) if args.merge else None
     try:
         with staged(args.out) as staging:
             written = write_export(args, adapter, base, staging)

@@ -2,11 +2,12 @@
 task's own checker, pair a right answer against a wrong one.
 
     python -m jobs.sample_pairs --config jobs/configs/smollm2_dpo.yaml --source "rg://chain_sum?..." \\
-        --out .cache/pairs/train.jsonl [--problems 256] [--samples 8] [--temperature 0.7] [--max-tokens 24]
+        --out .cache/pairs/train.jsonl [--held-out "rg://..."] [--problems 256] [--samples 8] [--temperature 0.7]
 
 The model (and LoRA settings) are the config's; the reward a `module:function` with TRL's signature (default:
-the reasoning-gym task's own score_answer). Problems the model always or never gets right make no pair. Prints
-one JSON line: problems, pairs, seconds.
+the reasoning-gym task's own score_answer). With --held-out (the eval source) a train source leaves out every
+problem whose question it asks, as a run's data does. Problems the model always or never gets right make no
+pair. Prints one JSON line: problems, pairs, seconds.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from pathlib import Path
 
 from app.config.grpo import GrpoSection
 from app.config.loading import load_config
+from app.data.gym_tasks import questions_of
+from app.data.sources import resolve_source
 from app.errors import CommandParser, UserInputError, exit_code
 from app.launch.inputs import with_model_folder
+from app.model.base import load_tokenizer
 from app.train.preference_pairs import answers, right_and_wrong
+from app.train.sampling import build_sampler
 
 DEFAULT_REWARD = "app.data.gym_tasks:score_answer"
 
@@ -29,6 +34,7 @@ def parse_args(argv=None):
     parser = CommandParser(prog="python -m jobs.sample_pairs", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="the run config whose model samples the answers")
     parser.add_argument("--source", required=True, help="prompt records: an rg:// task or a JSONL of prompt records")
+    parser.add_argument("--held-out", help="an rg:// eval source whose questions the pairs must not ask")
     parser.add_argument("--out", required=True, help="the JSONL of pairs to write (refused if it exists)")
     parser.add_argument("--problems", type=int, default=256, help="problems to sample answers for, at most")
     parser.add_argument("--samples", type=int, default=8, help="answers sampled per problem")
@@ -37,19 +43,21 @@ def parse_args(argv=None):
     parser.add_argument("--reward", default=DEFAULT_REWARD, help="module:function or file.py:function")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.samples < 2 or args.problems < 1 or args.max_tokens < 1 or not args.temperature > 0:
+        parser.error("--samples must be 2 or more, --problems and --max-tokens positive, --temperature above 0")
+    return args
 
 
 def sample_pairs(args) -> dict:
-    from app.data.sources import resolve_source  # start-up: after the arguments are known good
-    from app.model.base import load_tokenizer
-    from app.train.sampling import build_sampler
-
     if Path(args.out).exists():
         raise UserInputError(f"--out {args.out}: exists; choose another file (nothing is overwritten)")
     cfg = with_model_folder(load_config(args.config, args.overrides))
-    source = resolve_source(args.source, "--source")
-    records = [json.loads(line) for f in source.files for line in open(f) if line.strip()][: args.problems]
+    held_out = frozenset(questions_of(resolve_source(args.held_out, "--held-out").files[0])) if args.held_out \
+        else frozenset()
+    source = resolve_source(args.source, "--source", held_out)
+    records = [json.loads(line) for f in source.files for line in Path(f).read_text().splitlines() if line.strip()]
+    records = records[: args.problems]
     grpo = GrpoSection(num_generations=args.samples, temperature=args.temperature,
                        max_completion_tokens=args.max_tokens)
     started = time.perf_counter()

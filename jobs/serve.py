@@ -192,7 +192,7 @@ def checked_arguments(args: argparse.Namespace) -> tuple[dict[str, str], str | N
     if os.environ.get("MLFLOW_TRACKING_URI"):  # replicas inherit the environment: no password in the URI
         os.environ["MLFLOW_TRACKING_URI"] = export_credentials(os.environ["MLFLOW_TRACKING_URI"])
     check_sources(adapters, args.output_dir)
-    args.base = args.base and dequantized_folder(args.base)  # a .gguf file: its folder
+    args.base = args.base and dequantized_folder(args.base, key="--base")  # a .gguf file: its folder
     return adapters, key
 
 

@@ -110,7 +110,7 @@ def tune_sweep(args: argparse.Namespace) -> int:
         if cfg.output.run(name).exists():
             raise UserInputError(f"--name {name}: {cfg.output.run(name).root} exists; choose another name, or "
                                  f"--resume {name}")
-        check_files(cfg)
+        cfg, _ = check_files(cfg)  # a GGUF model's folder, a hub model's commit: what every trial reads
     check_tracking_server(cfg.mlflow.tracking_uri)
     if not args.verbose:
         quiet_driver_logging()

@@ -18,13 +18,14 @@ source asks (tasks with a small space, such as one-digit sums, repeat questions 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from app.config.paths import input_path
 from app.errors import UserInputError, first_line, warn
@@ -68,7 +69,8 @@ def _value(text: str) -> object:
 def parse_spec(location: str, key: str) -> TaskSpec:
     """`rg://NAME?size=N&seed=S&param=value...` -> TaskSpec; one line naming the key when it is wrong."""
     parts = urlsplit(location)
-    params = {k: _value(v) for k, v in parse_qsl(parts.query, keep_blank_values=True)}
+    pairs = [item.partition("=") for item in parts.query.split("&") if item]  # not parse_qsl: '+' stays a plus
+    params = {unquote(k): _value(unquote(v)) for k, _, v in pairs}
     size, seed = params.pop("size", None), params.pop("seed", None)
     if not parts.netloc or not isinstance(size, int) or not isinstance(seed, int) or size <= 0:
         raise UserInputError(f"{key}={location}: a reasoning-gym source is rg://TASK?size=N&seed=S[&param=value...] "
@@ -150,6 +152,7 @@ def strict_answer(text: str) -> str | None:
     return tags[-1].strip() if tags else None
 
 
+@functools.cache
 def get_score_fn(task: str):
     """The task's own `score_answer(answer, entry)`."""
     from reasoning_gym import get_score_answer_fn  # start-up: as in task_entries

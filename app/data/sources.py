@@ -34,8 +34,7 @@ def resolve_source(location: str, key: str = "data.train_path", held_out: frozen
     """What kind of source `location` is; UserInputError if it names nothing usable. A reasoning-gym task is
     generated here, without the problems whose questions are `held_out` (the eval source's)."""
     if is_task_source(location):
-        file = str(write_task_source(location, key, held_out))
-        return DataSource("jsonl", file, (file,))
+        return DataSource("jsonl", location, (str(write_task_source(location, key, held_out)),))
     if "://" in location:
         kind = "parquet" if location.rstrip("/").endswith(PARQUET_SUFFIXES) else "jsonl"
         if not location.rstrip("/").endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
@@ -225,7 +224,7 @@ def source_digest(source: DataSource) -> str:
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
-    if "://" in source.location:
+    if "://" in source.location and not is_task_source(source.location):  # a generated task: its bytes say it
         import pyarrow.fs as pafs
 
         try:

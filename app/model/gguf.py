@@ -42,24 +42,25 @@ def file_key(file: Path) -> str:
     return f"{file.stem}-{digest.hexdigest()[:12]}"
 
 
-def dequantized_folder(path: str, gguf_file: str | None = None, cache: str | None = None) -> str:
-    """The safetensors folder of a GGUF model (written here the first time); any other path as it is."""
+def dequantized_folder(path: str, gguf_file: str | None = None, cache: str | None = None,
+                       key: str = "model.path") -> str:
+    """The safetensors folder of a GGUF model (written here the first time); any other path as it is. `key`
+    names where the path came from in errors (a command's --base)."""
     source = gguf_source(path, gguf_file)
     if source is None:
         return path
     folder, name = source
     file = folder / name
     if not file.is_file():
-        key = "model.gguf_file" if gguf_file else "model.path"
-        raise UserInputError(f"{key}: no GGUF file {file}; give the path of a .gguf file (or a folder and "
-                             "model.gguf_file)")
+        raise UserInputError(f"{'model.gguf_file' if gguf_file else key}: no GGUF file {file}; give the path of a "
+                             ".gguf file (or a folder and model.gguf_file)")
     out = Path(cache or input_path(CACHE)) / file_key(file)
     if not (out / "config.json").is_file():
-        write_once(file, out)
+        write_once(file, out, key)
     return str(out)
 
 
-def write_once(file: Path, out: Path) -> None:
+def write_once(file: Path, out: Path, key: str = "model.path") -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -68,13 +69,13 @@ def write_once(file: Path, out: Path) -> None:
         print(f"dequantizing {file} into {out} (once)", file=sys.stderr, flush=True)
         partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
         try:
-            save_dequantized(file, partial)
+            save_dequantized(file, partial, key)
             os.rename(partial, out)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def save_dequantized(file: Path, out: Path) -> None:
+def save_dequantized(file: Path, out: Path, key: str) -> None:
     """Load `file` with transformers' GGUF support (float32: the quantized values exactly), drop the GGUF
     quantization record that forbids saving, and write the checkpoint, tokenizer and generation config."""
     import torch  # start-up: the commands that take a model path import this module before they need torch
@@ -85,9 +86,9 @@ def save_dequantized(file: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(file.parent, dtype=torch.float32, **kwargs)
     except ImportError as e:  # the gguf package is missing
-        raise UserInputError(f"model.path={file}: {first_line(e)}") from None
+        raise UserInputError(f"{key}={file}: {first_line(e)}") from None
     except (ValueError, KeyError, NotImplementedError) as e:  # an architecture or a quantization it cannot read
-        raise UserInputError(f"model.path={file}: transformers cannot dequantize this GGUF file "
+        raise UserInputError(f"{key}={file}: transformers cannot dequantize this GGUF file "
                              f"({first_line(e, 200)}); give a safetensors checkpoint of the model instead") from None
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)

@@ -45,9 +45,8 @@ def packaged_folder(name: str, root: str | None = None) -> Path:
     return Path(input_path(root or ROOT)) / name
 
 
-def build_packaged(name: str, root: str | None = None) -> Path:
-    """The packaged model's folder, dequantized from its package's GGUF file the first time."""
-    out = packaged_folder(name, root)
+def build_packaged(name: str, out: Path) -> Path:
+    """The packaged model's folder `out`, dequantized from its package's GGUF file the first time."""
     if not (out / "config.json").is_file():
         write_once(packaged_gguf(name), out)
     return out
@@ -55,6 +54,5 @@ def build_packaged(name: str, root: str | None = None) -> Path:
 
 def ensure_packaged(path: str | None) -> None:
     """Build the packaged model a model path reads, once, if it is not there yet."""
-    name = packaged_name(path)
-    if name and not (Path(path) / "config.json").is_file():
-        write_once(packaged_gguf(name), Path(path))
+    if name := packaged_name(path):
+        build_packaged(name, Path(path))

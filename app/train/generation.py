@@ -4,9 +4,10 @@ Each assistant turn of an eval row (a run of target tokens, app/data/formatting.
 conversation up to the turn is the prompt, the turn's target tokens its reference. The prompts are dealt to
 the ranks, each rank decodes its share as one left-padded batch, and the texts are gathered. An answer ends
 at any of the model's end tokens (its generation config's eos ids besides the tokenizer's: Gemma ends a turn
-with <end_of_turn>, Llama 3 with <|eot_id|>). Decoding runs without a KV cache and every rank runs a forward
-at every decoding step until every rank's rows have ended (FSDP all-gathers parameters in each forward, so
-the ranks must stay in lockstep); a rank with no prompt left decodes a stand-in.
+with <end_of_turn>, Llama 3 with <|eot_id|>). Decoding keeps a KV cache (each step feeds one token, not the
+whole row) and every rank runs a forward at every decoding step until every rank's rows have ended (FSDP
+all-gathers parameters in each forward, so the ranks must stay in lockstep); a rank with no prompt left
+decodes a stand-in.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, end_id
         with torch.compiler.set_stance("force_eager"):
             out = model(input_ids=ids[:, fed:], attention_mask=mask, position_ids=positions[:, fed:],
                         past_key_values=cache, use_cache=True)
-        cache, fed = out.past_key_values, ids.shape[1]
+        cache = out.past_key_values
+        fed = ids.shape[1] if cache is not None else 0  # a model that keeps no cache is fed the whole row again
         next_id = out.logits[:, -1].argmax(-1)
         next_id = torch.where(ended, pad_id, next_id)
         new.append(next_id)

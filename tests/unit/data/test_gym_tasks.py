@@ -88,6 +88,11 @@ def test_the_reward_is_the_tasks_own_score_answer(tmp_path):
     assert task_name(SUMS) == "chain_sum"
 
 
+def test_a_spec_keeps_a_plus_and_reads_json_values():
+    spec = parse_spec('rg://basic_arithmetic?size=4&seed=2&operators=["+","*"]&whitespace=single', "k")
+    assert dict(spec.params) == {"operators": ["+", "*"], "whitespace": "single"} and (spec.size, spec.seed) == (4, 2)
+
+
 def test_the_sft_metric_scores_the_answer_a_sentence_gives():
     assert answer_match("The final answer to this arithmetic problem is 12.", "12") == 1.0
     assert answer_match("12", "-12") == 0.0 and answer_match("It is 1,000.00", "1000") == 1.0

@@ -8,9 +8,9 @@ import pytest
 import reasoning_gym
 
 from app.data.gym_tasks import write_task_source
+from app.errors import UserInputError
 from app.evaluation.gym_lm_eval import process_results, with_gym_tasks
 from app.evaluation.harness import Evaluation, run_harness, scores
-from app.errors import UserInputError
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +43,13 @@ def test_process_results_is_the_tasks_score_of_the_answer_given():
     assert process_results(doc, ["<answer>11</answer>, not 12"]) == {"score": 0.0}
 
 
-def test_a_default_rg_task_and_a_wrong_spec(tmp_path):
+def test_a_default_rg_task_a_repeated_task_and_a_wrong_spec(tmp_path):
     assert with_gym_tasks(Evaluation(["rg_products"]), folder=str(tmp_path)).tasks == ["rg_products"]
-    assert "size=64&seed=1000" in next(tmp_path.rglob("rg_products.yaml")).read_text()
+    task = next(tmp_path.rglob("rg_products.yaml")).read_text()
+    problems = task.split("file: ", 1)[1].split("\n", 1)[0].strip('"')
+    assert len(open(problems).read().splitlines()) == 64  # reasoning-gym's own parameters, 64 problems
+    with pytest.raises(UserInputError, match="name one reasoning-gym task more than once"):
+        with_gym_tasks(Evaluation(["rg_chain_sum", SUMS]), folder=str(tmp_path))
     with pytest.raises(UserInputError, match=r"--tasks=rg://chain_sum\?seed=1: a reasoning-gym source"):
         with_gym_tasks(Evaluation(["rg://chain_sum?seed=1"]), folder=str(tmp_path))
     assert with_gym_tasks(Evaluation(["embedded_spelling"])).include_paths == []

@@ -19,6 +19,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
+from app.data.gym_tasks import is_task_source
 from app.data.sources import DataSource
 from app.errors import UserInputError, first_line, warn
 from app.runs.layout import RunDir
@@ -92,11 +93,12 @@ def dataset_input(source: DataSource, context: str, digest: str) -> DatasetInput
     if source.kind == "hf_hub":
         origin = HuggingFaceDatasetSource(path=source.location)
     else:
+        where = source.files[0] if is_task_source(source.location) else source.location  # a task: its generated file
         with warnings.catch_warnings():  # MLflow registers its local-file source twice ("" and "file")
             warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
-            origin = resolve_dataset_source(source.location if "://" in source.location
-                                            else Path(source.location).resolve().as_uri())
-    dataset = MetaDataset(origin, name=Path(source.location.rstrip("/")).name, digest=digest)
+            origin = resolve_dataset_source(where if "://" in where else Path(where).resolve().as_uri())
+    name = source.location if is_task_source(source.location) else Path(source.location.rstrip("/")).name
+    dataset = MetaDataset(origin, name=name, digest=digest)
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
 
 

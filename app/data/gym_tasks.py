@@ -137,9 +137,9 @@ def completion_text(completion) -> str:
 def lenient_answer(text: str, reference: str) -> str:
     """The answer a text gives: its last <answer> tag; else, where the reference is a number, the last number in
     it; else the text itself."""
-    tags = ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip()
+    tagged = strict_answer(text)
+    if tagged is not None:
+        return tagged
     if NUMBER.fullmatch(reference.strip()):
         numbers = NUMBER.findall(text)
         return numbers[-1] if numbers else ""

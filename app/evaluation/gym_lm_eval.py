@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from app.config.paths import input_path
-from app.data.gym_tasks import SCHEME, get_score_fn, lenient_answer, parse_spec, write_task_source
+from app.data.gym_tasks import SCHEME, parse_spec, score_answer, write_task_source
 from app.errors import UserInputError
 from app.evaluation.harness import Evaluation
 
@@ -88,5 +88,4 @@ def problems(file: str, **_):
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval's process_results: the task's own score of the answer the generation gives."""
-    entry = {"answer": str(doc["answer"]), "metadata": json.loads(doc["metadata"])}
-    return {"score": float(get_score_fn(doc["task"])(lenient_answer(results[0], entry["answer"]), entry))}
+    return {"score": score_answer(results, [doc["answer"]], [doc["task"]], [doc["metadata"]])[0]}

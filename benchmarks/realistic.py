@@ -1,10 +1,13 @@
 """Throughput on data shaped like real chat data: the job packed and not, the seed's loop, TRL, side by side.
 
     python -m benchmarks.realistic --steps 8     # pip install -e .[bench] first (TRL)
+    python -m benchmarks.realistic --model-path .cache/models/smollm2-135m-instruct \
+        --modes a_auto,p_trl_defaults,a_packed,p_trl_sft --out outputs/benchmark/smollm2   # the SmolLM2 row
 
 Generates a long-tailed chat dataset (records of ~17 to ~1,000 tokens, most under 100: the shape of real
 instruction data) and a random-weight model of a 100M+ shape (benchmarks/shapes/bench_125m.json, with
-the embedded tokenizer), then runs, on 2 workers at sequence length 512, with the same global batch of
+the embedded tokenizer), or with --model-path a real checkpoint (the packaged SmolLM2-135M-Instruct is built on
+first use) with its own tokenizer, then runs, on 2 workers at sequence length 512, with the same global batch of
 rows, learning rate (constant) and LoRA:
 (a) the job with packing, (a') the job with one record per row, (b) the seed's torchrun loop (one record
 per row; benchmarks/baseline.py), (c) the training step alone on synthetic full rows (benchmarks/step.py),
@@ -52,17 +55,24 @@ def long_tailed_chats(count: int, seed: int) -> list[dict]:
     return records
 
 
-def prepare(out: Path, records: int) -> tuple[Path, Path, Path]:
-    """The random-weight model (with the embedded tokenizer) and the train and eval files, built once."""
+def prepare(out: Path, records: int, model_path: str | None = None) -> tuple[Path, Path, Path]:
+    """The model (given, or the random-weight shape with the embedded tokenizer) and the train and eval files,
+    built once."""
     from transformers import AutoTokenizer
 
     from app.config.loading import load_config
     from app.model.embedded import ensure_embedded
+    from app.model.packaged import ensure_packaged
 
-    cfg = load_config("jobs/configs/embedded.yaml")
-    ensure_embedded(cfg)
-    model = random_checkpoint(str(SHAPES / "bench_125m.json"), out)
-    AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(model)
+    out.mkdir(parents=True, exist_ok=True)
+    if model_path:
+        ensure_packaged(model_path)
+        model = Path(model_path)
+    else:
+        cfg = load_config("jobs/configs/embedded.yaml")
+        ensure_embedded(cfg)
+        model = random_checkpoint(str(SHAPES / "bench_125m.json"), out)
+        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(model)
     train, evals = out / "realistic-train.jsonl", out / "realistic-eval.jsonl"
     for path, count, seed in ((train, records, 0), (evals, 64, 1)):
         if not path.exists():
@@ -120,7 +130,7 @@ def run(args) -> dict:
     from app.model.hardware import has_fast_bf16
 
     out = Path(args.out)
-    model, train, evals = prepare(out, args.records)
+    model, train, evals = prepare(out, args.records, args.model_path)
     per_row = tokens_per_row(model, train, args.seq_len, 64)
     rows_for_equal_tokens = args.global_batch * max(1, round(per_row["packed"] / per_row["unpacked"]))
     common = [f"model.path={model}", f"data.train_path={train}", f"data.eval_path={evals}",
@@ -141,7 +151,8 @@ def run(args) -> dict:
                     "model.gradient_checkpointing=false", "model.compile=false",
                     f"train.micro_batch_size={math.gcd(rows_for_equal_tokens // 2, 4 * args.micro_batch)}"],
                     args.steps, args.steps)}
-    result = {"seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch, "steps": args.steps,
+    result = {"model": str(model), "seq_len": args.seq_len, "workers": 2, "global_batch_rows": args.global_batch,
+              "steps": args.steps,
               "dtype": "bfloat16" if has_fast_bf16(__import__("torch").device("cpu")) else "float32",
               "real_tokens_per_row": per_row, "modes": args.modes}
     for mode, (packing, rows, choices, steps, eval_every) in settings.items():
@@ -198,7 +209,8 @@ def plot(result: dict, path: Path) -> None:
         ax.bar([MODES[m].split(" ")[0] for m in shown], [result[m].get(key) or 0 for m in shown],
                color=[f"C{i}" for i in range(len(shown))])
         ax.set_title(label)
-    fig.suptitle(f"long-tailed chat data, 125M shape, seq {result['seq_len']}, 2 workers, {result['steps']} steps  "
+    fig.suptitle(f"long-tailed chat data, {Path(result['model']).name}, seq {result['seq_len']}, 2 workers, "
+                 f"{result['steps']} steps  "
                  + "  ".join(MODES.values()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -211,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=2, help="rows per optimizer step, all workers")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--records", type=int, default=4000)
+    parser.add_argument("--model-path", help="a checkpoint folder (default: the 125M shape, random weights)")
     parser.add_argument("--out", default="outputs/benchmark")
     parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
                         help=f"comma-separated, of {', '.join(MODES)} (default: all)")

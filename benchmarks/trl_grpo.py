@@ -1,18 +1,20 @@
 """GRPO side by side: the job (`train.objective=grpo`, rollouts in a Ray actor, adapter-only sync) against TRL's
-GRPOTrainer with PEFT LoRA and its own generation (no vLLM), both from the same SFT adapter.
+GRPOTrainer with PEFT LoRA and its own generation (no vLLM), both from one GRPO config.
 
+    python -m benchmarks.trl_grpo --config jobs/configs/smollm2_grpo.yaml --steps 15
     python -m jobs.finetune --config jobs/configs/embedded.yaml --set train.run_name=numbers-sft
-    python -m benchmarks.trl_grpo --adapter outputs/numbers-sft/adapter --steps 150
+    python -m benchmarks.trl_grpo --config jobs/configs/embedded_grpo.yaml --adapter outputs/numbers-sft/adapter
 
-Both sides, on 2 CPU workers: the embedded model and its prompts (grpo_train.jsonl; held out: grpo_eval.jsonl),
-the same reward file (jobs/rewards.py, unchanged: TRL's signature) and weights, cut-off answers masked, group size,
-completion length, temperature, completions per optimizer step and per forward, learning rate (constant), beta,
-loss type, steps, and the starting adapter (loaded trainable on TRL's side). TRL runs under torchrun with gloo and
-FSDP2 via accelerate (benchmarks/trl_sft.py's setup). Figures per side: completions per second per worker in the
-steady state (the first --warmup steps left out), peak memory per worker (the max over workers), and the held-out
-exact match and words-in-place reward of the saved adapter, decoded greedily by plain PEFT
-(benchmarks/exact_match.py), with the starting adapter's beside them. Prints one JSON line and writes
-<out>/trl_grpo.json.
+Both sides take from the config (after any --set): the model (a GGUF or the packaged model resolved to its folder
+as the job resolves it), the train and held-out prompts (a reasoning-gym source generated once, the held-out
+problems left out of the train ones), the reward functions and weights (TRL's signature, unchanged), LoRA (or the
+starting --adapter, trainable on TRL's side), group size, completion length, temperature, completions per
+optimizer step and per forward, learning rate (constant), beta, loss type, cut-off answers masked, and steps. TRL
+runs under torchrun with gloo and FSDP2 via accelerate (benchmarks/trl_sft.py's setup), on as many workers as the
+job. Figures per side: completions per second per worker in the steady state (the first --warmup steps left out),
+peak memory per worker (the max over workers), and each reward function's mean over the held-out prompts answered
+greedily by the saved adapter in plain PEFT (benchmarks/exact_match.py), with the start's beside them. Prints one
+JSON line and writes <out>/trl_grpo.json.
 """
 
 from __future__ import annotations
@@ -23,50 +25,44 @@ import sys
 import time
 from pathlib import Path
 
+from app.config.loading import load_config
+from app.launch.inputs import prepare_files
+
 T_START = time.perf_counter()
-DATA = Path(".cache/embedded/data")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.trl_grpo", description=__doc__.split("\n")[0])
-    p.add_argument("--adapter", required=True, help="the SFT adapter both sides start from")
-    p.add_argument("--model-path", default=".cache/embedded/model")
-    p.add_argument("--train", default=str(DATA / "grpo_train.jsonl"))
-    p.add_argument("--eval", default=str(DATA / "grpo_eval.jsonl"))
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--config", default="jobs/configs/embedded_grpo.yaml", help="a GRPO config both sides follow")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
+    p.add_argument("--adapter", help="an adapter both sides start from (default: a fresh LoRA from `lora:`)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the config's train.max_steps)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
-    p.add_argument("--global-batch", type=int, default=128, help="completions per optimizer step, all workers")
-    p.add_argument("--micro-batch", type=int, default=32, help="completions per forward per worker")
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--completion-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.3)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--reward-weights", type=float, nargs=2, default=[1.0, 0.25], metavar=("EXACT", "IN_PLACE"))
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--loss-type", default="dapo")
     p.add_argument("--out", default="outputs/benchmark/grpo")
+    p.add_argument("--model-path", help=argparse.SUPPRESS)  # the torchrun side: the resolved model folder
+    p.add_argument("--train-file", help=argparse.SUPPRESS)  # the torchrun side: the resolved train prompts
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)  # the torchrun side
     return p.parse_args(argv)
 
 
-def run_job(args) -> dict:
+def overrides(args) -> list[str]:
+    """--set, the steps and the starting adapter, as config overrides both sides apply."""
+    extra = [f"train.max_steps={args.steps}"] if args.steps else []
+    return [*args.set, *extra, *([f"model.init_adapter={args.adapter}"] if args.adapter else [])]
+
+
+def run_job(args, cfg) -> dict:
     """The job, with its steady completions/s per worker over the same steps as TRL's (from its MLflow steps)."""
     from benchmarks.common import run_job_steadily
 
-    overrides = [f"model.path={args.model_path}", f"model.init_adapter={args.adapter}", f"data.train_path={args.train}",
-                 f"data.eval_path={args.eval}", f"train.max_steps={args.steps}",
-                 f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
-                 f"train.learning_rate={args.lr}", "train.lr_schedule=constant", "train.warmup_steps=0",
-                 "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
-                 "train.eval_on_start=false", f"grpo.num_generations={args.generations}",
-                 f"grpo.max_completion_tokens={args.completion_tokens}", f"grpo.temperature={args.temperature}",
-                 f"grpo.beta={args.beta}", f"grpo.loss_type={args.loss_type}", "scaling.num_workers=2",
-                 f"grpo.reward_weights={list(args.reward_weights)}", "grpo.mask_truncated_completions=true",
-                 f"train.output_dir={Path(args.out).resolve() / 'job'}",
-                 f"train.run_name=trl-grpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
-    summary, curve, steady, seconds = run_job_steadily("jobs/configs/embedded_grpo.yaml", overrides, args.warmup)
+    steps = cfg.train.max_steps
+    bench = [f"train.eval_every={steps}", f"train.checkpoint_every={steps}", "train.eval_on_start=false",
+             "train.log_every=1", f"train.output_dir={Path(args.out).resolve() / 'job'}",
+             f"train.run_name=trl-grpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
+    summary, curve, steady, seconds = run_job_steadily(args.config, overrides(args) + bench, args.warmup)
     generate = curve("rollout/generate_share")
-    return {"completions_per_second_per_worker": args.global_batch * len(steady) / seconds / 2,
+    workers = cfg.scaling.num_workers
+    return {"completions_per_second_per_worker": cfg.train.global_batch_size * len(steady) / seconds / workers,
             "step_seconds_steady": seconds / len(steady), "peak_memory_gb": summary["peak_memory_gb"],
             "generate_share": sum(generate[s] for s in steady) / len(steady),
             "sync_bytes_per_step": max(curve("rollout/sync_bytes").values(), default=0.0),
@@ -74,31 +70,47 @@ def run_job(args) -> dict:
 
 
 def trl_worker(args) -> None:
-    """Under torchrun: GRPOTrainer over the SFT adapter (trainable), timed per step; rank 0 saves the adapter."""
+    """Under torchrun: GRPOTrainer over the config's LoRA (or the starting adapter, trainable), timed per step;
+    rank 0 saves the adapter."""
     import torch.distributed as dist
     from datasets import Dataset
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel, get_peft_model
     from trl import GRPOConfig, GRPOTrainer
 
+    from app.train.rewards import load_reward_function
     from benchmarks.trl_sft import fsdp_on_cpu, saved_figures, train_timed, trainer_arguments, trl_worker_start
-    from jobs.rewards import exact_words, words_in_place
 
+    cfg = load_config(args.config, overrides(args))
+    train, grpo, lora = cfg.train, cfg.grpo, cfg.lora
     rank, world, bf16, tokenizer, model, layer_class = trl_worker_start(args.model_path)
-    model = PeftModel.from_pretrained(model, args.adapter, is_trainable=True)
-    records = [json.loads(line) for line in open(args.train) if line.strip()]
-    accum = args.global_batch // (world * args.micro_batch)
-    config = GRPOConfig(**trainer_arguments(args, layer_class, bf16), gradient_accumulation_steps=accum,
-                        num_generations=args.generations, max_completion_length=args.completion_tokens,
-                        temperature=args.temperature, top_p=1.0, beta=args.beta, loss_type=args.loss_type,
-                        scale_rewards="group", num_iterations=1, reward_weights=args.reward_weights,
-                        mask_truncated_completions=True)
-    trainer = fsdp_on_cpu(GRPOTrainer)(model=model, args=config, train_dataset=Dataset.from_list(records),
-                                       reward_funcs=[exact_words, words_in_place], processing_class=tokenizer)
+    model = (PeftModel.from_pretrained(model, args.adapter, is_trainable=True) if args.adapter else get_peft_model(
+        model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=lora.target_modules, task_type="CAUSAL_LM")))
+    records = [json.loads(line) for line in open(args.train_file) if line.strip()]
+    shape = argparse.Namespace(out=args.out, steps=train.max_steps, micro_batch=train.micro_batch_size,
+                               lr=train.learning_rate)
+    config = GRPOConfig(**trainer_arguments(shape, layer_class, bf16),
+                        gradient_accumulation_steps=train.global_batch_size // (world * train.micro_batch_size),
+                        num_generations=grpo.num_generations, max_completion_length=grpo.max_completion_tokens,
+                        temperature=grpo.temperature, top_p=1.0, beta=grpo.beta, loss_type=grpo.loss_type,
+                        scale_rewards="group", num_iterations=1, reward_weights=grpo.reward_weights,
+                        mask_truncated_completions=grpo.mask_truncated_completions)
+    trainer = fsdp_on_cpu(GRPOTrainer)(
+        model=model, args=config, train_dataset=Dataset.from_list(records), processing_class=tokenizer,
+        reward_funcs=[load_reward_function(spec) for spec in grpo.reward_funcs])
     timed = train_timed(trainer, args.warmup)
     if rank == 0:
-        figures = saved_figures(timed, tokenizer, args.out, args.global_batch, "completions", world, bf16)
+        figures = saved_figures(timed, tokenizer, args.out, train.global_batch_size, "completions", world, bf16)
         print(json.dumps(figures), flush=True)
     dist.destroy_process_group()
+
+
+def held_out(cfg, model: str, eval_file: str, adapter: str | None) -> dict:
+    from benchmarks.exact_match import held_out_rewards
+
+    figures = held_out_rewards(model, adapter, eval_file, cfg.grpo.reward_funcs, cfg.grpo.max_completion_tokens,
+                               cfg.data.max_eval_rows or 0)
+    return {f"held_out_{k}": v for k, v in figures.items() if k != "adapter"}
 
 
 def main(argv=None) -> int:
@@ -107,22 +119,23 @@ def main(argv=None) -> int:
         trl_worker(args)
         return 0
     from benchmarks.common import report_side_by_side, torchrun
-    from benchmarks.exact_match import exact_match
 
+    cfg, sources = prepare_files(load_config(args.config, overrides(args)))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    result = {key: getattr(args, key) for key in ("steps", "warmup", "global_batch", "micro_batch", "generations",
-                                                  "completion_tokens", "temperature", "lr", "reward_weights", "beta",
-                                                  "loss_type")}
-    result["job"] = run_job(args)
-    flags = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in (
-        "adapter", "model_path", "train", "steps", "warmup", "global_batch", "micro_batch", "generations",
-        "completion_tokens", "temperature", "lr", "beta", "loss_type")] + ["--reward-weights",
-                                                                          *map(str, args.reward_weights)]
-    result["trl"] = torchrun(2, "benchmarks.trl_grpo", *flags, "--out", str(Path(args.out) / "trl"), "--trl-worker")
-    result["start"] = exact_match(args.model_path, args.adapter, args.eval)
+    result = {"config": args.config, "overrides": overrides(args), "model": cfg.model.path,
+              "steps": cfg.train.max_steps, "warmup": args.warmup, "workers": cfg.scaling.num_workers,
+              "job": run_job(args, cfg)}
+    flags = [f"--config={args.config}", *(f"--set={o}" for o in args.set), f"--warmup={args.warmup}",
+             f"--model-path={cfg.model.path}", f"--train-file={sources.train[0].files[0]}",
+             *([f"--steps={args.steps}"] if args.steps else []),
+             *([f"--adapter={args.adapter}"] if args.adapter else [])]
+    result["trl"] = torchrun(cfg.scaling.num_workers, "benchmarks.trl_grpo", *flags,
+                             "--out", str(Path(args.out) / "trl"), "--trl-worker")
+    eval_file = sources.eval.files[0]
+    result["start"] = held_out(cfg, cfg.model.path, eval_file, args.adapter)
     for side in ("job", "trl"):
-        result[side] |= {f"held_out_{k}": v for k, v in exact_match(args.model_path, result[side]["adapter"],
-                                                                       args.eval).items() if k != "adapter"}
+        result[side] |= held_out(cfg, cfg.model.path, eval_file, result[side]["adapter"])
+    result["seconds"] = time.perf_counter() - T_START
     return report_side_by_side(result, "completions_per_second_per_worker", Path(args.out, "trl_grpo.json"))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 T_START = time.perf_counter()
 
@@ -150,9 +151,7 @@ def train_timed(trainer, warmup: int) -> dict:
     trainer.accelerator.wait_for_everyone()
     train_start = time.perf_counter()
     trainer.train()
-    peft_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # collective: all ranks
-             for k, v in peft_model.state_dict().items() if "lora_" in k}
+    peft_model, state = whole_lora_state(trainer)
     peak = torch.tensor(peak_memory_gb(torch.device("cpu")))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"seconds": [b - a for a, b in zip([train_start, *step_ends], step_ends)][warmup:],
@@ -160,11 +159,16 @@ def train_timed(trainer, warmup: int) -> dict:
             "peak_memory_gb": peak.item(), "fsdp2": type(trainer.model_wrapped).__name__.startswith("FSDP")}
 
 
+def whole_lora_state(trainer) -> tuple:
+    """(the trained PEFT model, every LoRA tensor whole): a collective, on every rank."""
+    peft_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    return peft_model, {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                        for k, v in peft_model.state_dict().items() if "lora_" in k}
+
+
 def saved_figures(timed: dict, tokenizer, out: str, items_per_step: int, unit: str, world: int, bf16: bool) -> dict:
     """On rank 0, after `train_timed`: the adapter saved to <out>/adapter with the tokenizer, and the figures:
     `<unit>_per_second_per_worker` over the steady steps, step seconds, peak memory, the first step's time."""
-    from pathlib import Path
-
     adapter = Path(out) / "adapter"
     timed["peft_model"].save_pretrained(adapter, state_dict=timed["lora_state"])
     tokenizer.save_pretrained(adapter)
@@ -229,6 +233,10 @@ def main(argv=None) -> None:
     fsdp_model = trainer.model_wrapped
     sharded = type(fsdp_model).__name__.startswith("FSDP")  # fully_shard swaps in an FSDP<Module> class
     final = eval_loss(fsdp_model, eval_rows, rank, world)
+    peft_model, state = whole_lora_state(trainer)
+    if rank == 0:  # the adapter, for a held-out score outside (benchmarks/sft_side_by_side.py)
+        peft_model.save_pretrained(Path(args.out) / "adapter", state_dict=state)
+        tokenizer.save_pretrained(Path(args.out) / "adapter")
     counts = torch.tensor([clock.real[: args.steps], clock.target[: args.steps]], dtype=torch.float64)
     dist.all_reduce(counts)  # both ranks' tokens, step by step
     steady = slice(args.warmup, None)
@@ -244,7 +252,8 @@ def main(argv=None) -> None:
             "first_step_at": time.time() - (time.perf_counter() - clock.step_ends[0]),  # wall clock
             "tokens_per_second_per_worker": sum(real[steady]) / sum(seconds[steady]) / world,
             "target_tokens_per_step": target, "real_tokens_per_step": real,
-            "peak_memory_gb": peak.item(), "final_eval_loss": final, "fsdp2": sharded}), flush=True)
+            "peak_memory_gb": peak.item(), "final_eval_loss": final, "fsdp2": sharded,
+            "adapter": str(Path(args.out) / "adapter")}), flush=True)
     dist.barrier()  # both ranks end the group together (gloo can abort a rank that leaves first)
     dist.destroy_process_group()
 

@@ -197,6 +197,7 @@ class Sweep:
     points: list[tuple[str, list[str]]]  # each point's run name and overrides
     tracking_uri: str  # without credentials
     experiment: str
+    best_metric: str  # train.best_metric of its runs: what the table ranks them by
 
 
 def plan_sweep(config: str, overrides: list[str], axes: list[str], name: str | None, env: dict) -> Sweep:
@@ -207,8 +208,8 @@ def plan_sweep(config: str, overrides: list[str], axes: list[str], name: str | N
               for i, point in enumerate(grid_points(grid))]
     for run_name, point in points:
         run_job(config, point, env, run_name=run_name)
-    experiment = load_config(config, overrides).mlflow.experiment
-    return Sweep(name, grid, points, _sweep_tracking_uri(overrides, env), experiment)
+    cfg = load_config(config, overrides)
+    return Sweep(name, grid, points, _sweep_tracking_uri(overrides, env), cfg.mlflow.experiment, cfg.train.best_metric)
 
 
 def run_sweep(client, sweep: Sweep, config: str, env: dict) -> int:
@@ -230,7 +231,7 @@ def run_sweep(client, sweep: Sweep, config: str, env: dict) -> int:
     runs = [{"run_name": r.info.run_name, "status": r.info.status, "params": r.data.params, "metrics": r.data.metrics}
             for r in mlflow.search_runs([experiment_id], f"tags.sweep = '{sweep.name}'")
             if r.info.run_id != parent_id]
-    table = results_table(runs, list(sweep.grid))
+    table = results_table(runs, list(sweep.grid), sweep.best_metric)
     mlflow.log_table(parent_id, data=table, artifact_file="sweep/results.json")
     failed = [j for j, s in statuses.items() if s != "SUCCEEDED"]
     mlflow.set_terminated(parent_id, status="FAILED" if failed else "FINISHED")

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def tune_sweep(args: argparse.Namespace) -> int:
     cfg, name = sweep_config(args), sweep_name(args)
-    from app.launch.inputs import check_files, check_tracking_server  # after the config is known good
+    from app.launch.inputs import check_tracking_server, prepare_files  # after the config is known good
 
     if args.resume and not cfg.output.run(name).exists("sweep.json"):
         raise UserInputError(f"--resume {name}: no sweep of that name under {cfg.train.output_dir}")
@@ -110,7 +110,7 @@ def tune_sweep(args: argparse.Namespace) -> int:
         if cfg.output.run(name).exists():
             raise UserInputError(f"--name {name}: {cfg.output.run(name).root} exists; choose another name, or "
                                  f"--resume {name}")
-        cfg, _ = check_files(cfg)  # a GGUF model's folder, a hub model's commit: what every trial reads
+        cfg, _ = prepare_files(cfg)  # a GGUF model's folder, a hub model's commit: what every trial reads
     check_tracking_server(cfg.mlflow.tracking_uri)
     if not args.verbose:
         quiet_driver_logging()

@@ -16,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.config import paths
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError, first_line
 from app.runs.layout import OutputDir
@@ -106,7 +107,7 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     """Paths made absolute where they will be read (app/config/paths.py), defaults filled in, credentials left out."""
     out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
-    record_format = {"dpo": "preference", "grpo": "prompt"}.get(cfg.train.objective)  # one pair or prompt a row
+    record_format = objective_of(cfg.train).record_format  # one pair or prompt a row
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path),
                                               "init_adapter": paths.adapter_source(cfg.model.init_adapter)}),
@@ -126,10 +127,9 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
 
 
 def _best_metric(cfg: FinetuneConfig) -> str:
-    """train.best_metric as given, or the objective's headline figure: a grpo run has no eval loss, so its
-    default is eval_reward."""
-    if cfg.train.objective == "grpo" and "best_metric" not in cfg.train.model_fields_set:
-        return "eval_reward"
+    """train.best_metric as given, or the objective's headline figure (a grpo run has no eval loss: eval_reward)."""
+    if "best_metric" not in cfg.train.model_fields_set:
+        return objective_of(cfg.train).best_metric
     return cfg.train.best_metric
 
 

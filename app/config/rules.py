@@ -8,7 +8,8 @@ it into the job's one-line error).
 
 from __future__ import annotations
 
-from app.config.grpo import GrpoSection, reward_name
+from app.config.grpo import GrpoSection
+from app.config.objectives import objective_of, reading
 from app.config.sections import (
     RUN_NAME,
     DataSection,
@@ -18,7 +19,6 @@ from app.config.sections import (
     ModelSection,
     ScalingSection,
     TrainSection,
-    metric_name,
 )
 from app.config.tune import TuneSection
 
@@ -69,21 +69,10 @@ def no_float16_compute(fsdp: FsdpSection) -> str | None:
     return None
 
 
-def reported_figures(train: TrainSection, eval: EvalSection, grpo: GrpoSection) -> set[str]:
-    """The evaluation figures this config's runs report, that train.best_metric may rank by."""
-    if train.objective == "grpo":  # greedy answers to every eval prompt, scored by the rewards and eval.metrics
-        rewards = {"eval_reward"} | {f"eval_rewards/{reward_name(spec)}/mean" for spec in grpo.reward_funcs}
-        return rewards | {metric_name(spec) for spec in eval.metrics}
-    by_objective = {"sft": {"eval_loss", "eval_perplexity"},
-                    "dpo": {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"}}
-    tasks = {metric_name(spec) for spec in eval.metrics} if eval.generation_rows else set()
-    return by_objective[train.objective] | tasks
-
-
 def best_metric_is_reported(train: TrainSection, eval: EvalSection, grpo: GrpoSection) -> str | None:
-    if train.objective == "grpo" and "best_metric" not in train.model_fields_set:
-        return None  # its default there: eval_reward (app/config/loading.py)
-    ranked = reported_figures(train, eval, grpo)
+    if "best_metric" not in train.model_fields_set:
+        return None  # the objective's own default (app/config/loading.py)
+    ranked = objective_of(train).reported_figures(eval, grpo)
     if train.best_metric not in ranked:
         return (f"train.best_metric={train.best_metric} is not an evaluation figure of this config: use one of "
                 f"{', '.join(sorted(ranked))} (task metrics need eval.generation_rows > 0)")
@@ -95,7 +84,7 @@ def tune_ranks_by_a_reported_figure(tune: TuneSection, train: TrainSection, eval
     """A sweep's metric is one its trials report at each evaluation; PBT decides at evaluations only."""
     if not tune.space:
         return None
-    ranked = reported_figures(train, eval, grpo)
+    ranked = objective_of(train).reported_figures(eval, grpo)
     if tune.metric is not None and tune.metric not in ranked:
         return (f"tune.metric={tune.metric} is not an evaluation figure of this config: use one of "
                 f"{', '.join(sorted(ranked))} (task metrics need eval.generation_rows > 0)")
@@ -116,24 +105,18 @@ def a_weight_per_source(data: DataSection) -> str | None:
 def data_feeds_the_objective(train: TrainSection, data: DataSection) -> str | None:
     """Preference pairs for dpo, prompts for grpo, and neither for sft; what pairs and prompts never do (pack,
     split) is not asked of them."""
-    wanted = {"dpo": "preference", "grpo": "prompt"}.get(train.objective)
-    records = {"preference": ("preference pairs", "records with prompt, chosen and rejected", "pairs to prefer one "
-                              "answer of", "dpo", "a preference pair is truncated to data.max_seq_len (the prompt's "
-                              "end, the answers' starts)"),
-               "prompt": ("prompts", "records with a prompt and the fields the rewards read", "prompts to sample "
-                          "answers to", "grpo", "a prompt is truncated to data.max_seq_len (its end kept)")}
+    objective = objective_of(train)
+    wanted, named = objective.record_format, f"train.objective={train.objective}"
     if wanted and data.format not in ("auto", wanted):
-        return (f"data.format={data.format} holds no {records[wanted][0]}; train.objective={train.objective} reads "
-                f"data.format={wanted} (or auto): {records[wanted][1]}")
-    if wanted is None and data.format in records:
-        _, _, holds, objective, _ = records[data.format]
-        return f"data.format={data.format} holds {holds}: set train.objective={objective}"
+        return (f"data.format={data.format} holds no {objective.records}; {named} reads data.format={wanted} (or "
+                f"auto): {objective.fields}")
+    other = reading(data.format)
+    if wanted is None and other:
+        return f"data.format={data.format} holds {other.use}: set train.objective={other.name}"
     if wanted and data.packing and "packing" in data.model_fields_set:
-        return (f"data.packing=true: {records[wanted][0]} are not packed; remove the key or set it false for "
-                f"train.objective={train.objective}")
+        return f"data.packing=true: {objective.records} are not packed; remove the key or set it false for {named}"
     if wanted and data.long_records == "split" and "long_records" in data.model_fields_set:
-        return (f"data.long_records=split: {records[wanted][4]}, never split; remove the key for "
-                f"train.objective={train.objective}")
+        return f"data.long_records=split: {objective.truncation}, never split; remove the key for {named}"
     return None
 
 
@@ -150,7 +133,7 @@ def elastic_groups_can_be_placed(scaling: ScalingSection) -> str | None:
 
 
 def grpo_has_rewards(train: TrainSection, grpo: GrpoSection) -> str | None:
-    if train.objective == "grpo" and not grpo.reward_funcs:
+    if objective_of(train).samples_online and not grpo.reward_funcs:
         return ("train.objective=grpo needs grpo.reward_funcs: the functions that score each answer, e.g. "
                 "[\"rewards.py:exact_answer\"]")
     return None
@@ -158,7 +141,7 @@ def grpo_has_rewards(train: TrainSection, grpo: GrpoSection) -> str | None:
 
 def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, grpo: GrpoSection) -> str | None:
     """train.global_batch_size counts completions: every worker holds whole groups of num_generations."""
-    if train.objective != "grpo":
+    if not objective_of(train).samples_online:
         return None
     for workers in scaling.worker_counts:
         per_worker = grpo.num_generations * workers

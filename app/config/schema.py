@@ -13,6 +13,7 @@ from pydantic import model_validator
 
 from app.config.dpo import DpoSection
 from app.config.grpo import GrpoSection
+from app.config.objectives import objective_of
 from app.config.rules import RULES
 from app.config.sections import (
     DataSection,
@@ -26,6 +27,7 @@ from app.config.sections import (
     TrainSection,
 )
 from app.config.tune import TuneSection
+from app.errors import UserInputError
 from app.runs.layout import OutputDir, RunDir
 
 
@@ -61,14 +63,15 @@ class FinetuneConfig(Section):
         return self.grad_accum_steps_on(self.scaling.num_workers)
 
     def rows_per_batch(self, workers: int) -> int:
-        """Rows of the training data a rank takes at a time: a micro-batch's, or with train.objective=grpo the
-        prompts of one batch of rollouts (a step's completions on the rank / grpo.num_generations)."""
-        if self.train.objective == "grpo":
-            return self.train.global_batch_size // (workers * self.grpo.num_generations)
-        return self.train.micro_batch_size
+        """Rows of the training data a rank takes at a time (the objective's Objective.rows_per_batch)."""
+        return objective_of(self.train).rows_per_batch(self.train, self.grpo, workers)
 
     def grad_accum_steps_on(self, workers: int) -> int:
         """Micro-batches per optimizer step on `workers` workers: the global batch is the same on any count."""
+        if self.train.micro_batch_size == "auto":
+            raise UserInputError("train.micro_batch_size=auto: the micro-batch, and so the accumulation steps, is "
+                                 "chosen from the memory plan when the job starts (`python -m jobs.plan` prints it); "
+                                 "give a number to know it before")
         return self.train.global_batch_size // (self.train.micro_batch_size * workers)
 
     @property

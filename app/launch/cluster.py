@@ -13,6 +13,7 @@ from pathlib import Path
 
 import ray
 
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.environment import joins_a_cluster, shared_storage
 from app.errors import UserInputError
@@ -110,7 +111,7 @@ def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
 
 def rollout_resources(cfg: FinetuneConfig) -> tuple[float, float]:
     """(CPUs, GPUs) GRPO's rollout actors reserve beside the training workers; none for the other objectives."""
-    if cfg.train.objective != "grpo":
+    if not objective_of(cfg.train).samples_online:
         return 0.0, 0.0
     return cfg.grpo.rollout_workers * cfg.grpo.rollout_cpus, cfg.grpo.rollout_workers * cfg.grpo.rollout_gpus
 

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import ray
 
+from app.config.objectives import objective_of
 from app.data.coordinator import load_passes, start_pass_coordinator
 from app.data.passes import source_key
 from app.data.pipeline import TrainData, build_eval_rows, build_train_data, read_records
@@ -37,7 +38,7 @@ def build_data(job: Job) -> tuple[TrainData, dict, dict[str, float]]:
              "template refuses them; they are left out")
     stats = {"data_train_rows_without_target": train.dropped_rows, "data_eval_rows_without_target": eval_dropped,
              "data_train_records_malformed": train.malformed_rows}
-    if cfg.train.objective == "dpo":
+    if objective_of(cfg.train).record_format == "preference":
         stats["data_train_pair_tokens_truncated"] = train.truncated_tokens
     stats |= {f"data_pass_rows/{source_key(name)}": rows
               for name, rows in zip(train.plan.names, train.plan.rows_per_pass())}

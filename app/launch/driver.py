@@ -16,6 +16,7 @@ import time
 
 import ray
 
+from app.config.objectives import objective_of
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
@@ -24,9 +25,9 @@ from app.launch.cluster import check_placement, init_ray, rollout_resources
 from app.launch.inputs import (
     CheckedInputs,
     CheckedSources,
-    check_files,
     check_resumed_data,
     check_tracking_server,
+    prepare_files,
 )
 from app.launch.job import Job, TrialLink
 from app.launch.summary import job_summary
@@ -49,7 +50,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     startup = StartupClock(started_at or time.time())
     if started_at is not None:
         startup.reached("driver_ready")
-    cfg, sources = check_files(cfg)
+    cfg, sources = prepare_files(cfg)
     check_tracking_server(cfg.mlflow.tracking_uri)
     check_run_dir(cfg.run_dir, resume)
     if resume:
@@ -87,9 +88,9 @@ def checked_while_ray_starts(cfg: FinetuneConfig, sources: CheckedSources, start
 
 def check_model_stack(cfg: FinetuneConfig, sources: CheckedSources,
                       startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
-    from app.launch.model_checks import check_model  # start-up: the model stack loads in this thread, beside Ray's
+    from app.launch.model_checks import prepare_model  # start-up: the model stack loads in this thread, beside Ray's
 
-    return check_model(cfg, sources, startup)
+    return prepare_model(cfg, sources, startup)
 
 
 def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str], bool]:
@@ -102,7 +103,7 @@ def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str],
 
     status = "FAILED"
     try:
-        rollouts = rollout_group.start_rollout_group(job.cfg) if job.cfg.train.objective == "grpo" else []
+        rollouts = rollout_group.start_rollout_group(job.cfg) if objective_of(job.cfg.train).samples_online else []
         passes, data = data_build.start_data(job)
         metrics = trainer.train_on_workers(trainer.build_trainer(job, passes, rollouts), data)
         claim.raise_if_lost()

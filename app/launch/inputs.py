@@ -39,7 +39,7 @@ class CheckedInputs(CheckedSources):
     init_adapter_sha256: str | None = None  # of its weights file: a resumed run must start from the same
 
 
-def check_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:
+def prepare_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:
     """Before Ray starts: the embedded demo or a packaged model built if the config reads it, a GGUF model
     dequantized into its folder, a hub model pinned to its commit, what reads files alone (the model's directory,
     every data source and record: the commonest mistakes)."""

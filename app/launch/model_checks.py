@@ -10,6 +10,7 @@ import hashlib
 
 from transformers import AutoConfig
 
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
 from app.data.formatting import check_chat_template
@@ -30,8 +31,8 @@ from app.train.progress import StartupClock
 from app.train.rollouts import as_answers, reward_columns
 
 
-def check_model(cfg: FinetuneConfig, sources: CheckedSources,
-                startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
+def prepare_model(cfg: FinetuneConfig, sources: CheckedSources,
+                  startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
     """While Ray starts (mostly Ray's own processes; this is the model stack's imports and the checks that
     load it); returns the config as the workers will read it, and every input."""
     inputs = check_model_inputs(cfg, sources)
@@ -52,9 +53,10 @@ def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedI
         check_nf4_shapes(cfg)
     if cfg.data.packing:
         check_packing(cfg.model)
-    for spec in cfg.eval.metrics if cfg.eval.generation_rows or cfg.train.objective == "grpo" else ():
+    objective = objective_of(cfg.train)
+    for spec in cfg.eval.metrics if objective.scores_answers(cfg.eval) else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    if cfg.train.objective == "grpo":
+    if objective.samples_online:
         check_reward_functions(cfg, sources)
     weights, digest = read_init_adapter(cfg)
     return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=weights, init_adapter_sha256=digest)

@@ -12,6 +12,7 @@ from pathlib import Path
 import ray
 import ray.train.torch
 
+from app.config.objectives import objective_of
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
 from app.data.coordinator import DataNotBuilt, batches_of
@@ -141,7 +142,7 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
 def grpo_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:
     """GRPO's rollouts (the actors the driver started) and reward scorer (in this worker, or as Ray tasks with
     grpo.reward_workers) as this rank uses them; (None, None) for the other objectives."""
-    if cfg.train.objective != "grpo":
+    if not objective_of(cfg.train).samples_online:
         return None, None
     specs = cfg.grpo.reward_funcs
     scorer = ray_scorer(specs, cfg.grpo.reward_workers) if cfg.grpo.reward_workers else local_scorer(specs)

@@ -11,9 +11,10 @@ import math
 
 import yaml
 
+from app.config.objectives import LOWER_IS_BETTER
 from app.errors import UserInputError
 
-SWEEP_METRICS = ("final_eval_loss", "final_train_loss", "tokens_per_second_steady", "worker_seconds")
+SWEEP_METRICS = ("final_train_loss", "tokens_per_second_steady", "worker_seconds")
 
 
 def parse_grid(axes: list[str]) -> dict[str, list]:
@@ -47,22 +48,27 @@ def point_name(sweep: str, index: int, point: dict[str, object]) -> str:
     return "-".join([sweep, str(index), *parts]).replace("/", "_").replace(" ", "")
 
 
-def results_table(runs: list[dict], grid_keys: list[str]) -> dict[str, list]:
-    """Columns for MLflow's log_table and for printing: one row per run, best eval loss first.
+def results_table(runs: list[dict], grid_keys: list[str], best_metric: str) -> dict[str, list]:
+    """Columns for MLflow's log_table and for printing: one row per run, the best by the runs' train.best_metric
+    (its final value: lower first for a loss, higher first for the rest) first, runs without it last.
 
     `runs`: {"run_name", "status", "params": {...}, "metrics": {...}} per run.
     """
-    def eval_loss(run: dict) -> float:
-        value = run["metrics"].get("final_eval_loss")
-        return value if value is not None and not math.isnan(value) else math.inf
+    ranked = f"final_{best_metric}"
+    sign = 1.0 if best_metric in LOWER_IS_BETTER else -1.0
 
-    columns: dict[str, list] = {"run": [], "status": [], **{k: [] for k in grid_keys}, **{m: [] for m in SWEEP_METRICS}}
-    for run in sorted(runs, key=eval_loss):
+    def rank(run: dict) -> float:
+        value = run["metrics"].get(ranked)
+        return sign * value if value is not None and not math.isnan(value) else math.inf
+
+    metrics = (ranked, *(m for m in SWEEP_METRICS if m != ranked))
+    columns: dict[str, list] = {"run": [], "status": [], **{k: [] for k in grid_keys}, **{m: [] for m in metrics}}
+    for run in sorted(runs, key=rank):
         columns["run"].append(run["run_name"])
         columns["status"].append(run["status"])
         for key in grid_keys:
             columns[key].append(run["params"].get(key))
-        for metric in SWEEP_METRICS:
+        for metric in metrics:
             columns[metric].append(run["metrics"].get(metric))
     return columns
 

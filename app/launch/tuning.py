@@ -27,6 +27,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTra
 from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.util.queue import Queue
 
+from app.config.objectives import LOWER_IS_BETTER
 from app.config.schema import FinetuneConfig
 from app.config.space import with_values
 from app.errors import first_line, warn
@@ -38,7 +39,6 @@ from app.runs.layout import ADAPTER_RUN_CONFIG, RunDir
 from app.tracking import sweep_runs
 from app.tracking.mlflow_run import finish_run
 from app.train.checkpoint import TRAINER_STATE, trainer_state
-from app.train.evaluation import LOWER_IS_BETTER
 
 FINISHED = "worker_seconds"  # a key of the run's summary: in a trial's last report only if it trained to its end
 SWEEP_RECORD = "sweep.json"  # in the sweep's folder, beside Ray Tune's experiment: what --resume needs

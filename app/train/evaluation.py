@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from app.config.objectives import LOWER_IS_BETTER
 from app.data.chat import IGNORE_INDEX
 from app.data.stream import to_device
 from app.train.host_memory import release_free_host_memory
@@ -66,9 +67,6 @@ def cut_after_last_target(batch: dict) -> dict:
 
 def eval_metrics(eval_loss: float) -> dict[str, float]:
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
-
-
-LOWER_IS_BETTER = ("eval_loss", "eval_perplexity")
 
 
 @dataclass

@@ -60,5 +60,5 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
                          capture_output=True, text=True, check=True, cwd=REPO)
     outside = json.loads(out.stdout.strip().splitlines()[-1])
     assert outside["prompts"] == 24
-    assert outside["exact_match"] == pytest.approx(summary["final_eval_exact_match"], abs=1e-9)
+    assert outside["exact_words"] == pytest.approx(summary["final_eval_exact_match"], abs=1e-9)
     assert outside["words_in_place"] == pytest.approx(summary["final_eval_rewards/words_in_place/mean"], rel=1e-6)

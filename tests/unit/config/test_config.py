@@ -35,6 +35,9 @@ def test_gradient_accumulation_keeps_the_global_batch():
     one = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4", "scaling.num_workers=1"])
     two = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4", "scaling.num_workers=2"])
     assert (one.grad_accum_steps, two.grad_accum_steps) == (4, 2)
+    auto = load_config(None, ["train.micro_batch_size=auto"])
+    with pytest.raises(UserInputError, match=r"^train.micro_batch_size=auto: .*jobs.plan"):
+        auto.grad_accum_steps  # noqa: B018 (the property is what is tested)
 
 
 def test_an_elastic_run_keeps_its_global_batch_on_every_worker_count_it_may_shrink_to():

@@ -14,7 +14,7 @@ import yaml
 from app.config.objectives import LOWER_IS_BETTER
 from app.errors import UserInputError
 
-SWEEP_METRICS = ("final_train_loss", "tokens_per_second_steady", "worker_seconds")
+SWEEP_METRICS = ("final_eval_loss", "final_train_loss", "tokens_per_second_steady", "worker_seconds")
 
 
 def parse_grid(axes: list[str]) -> dict[str, list]:

@@ -206,6 +206,7 @@ def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack, t
     assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
     table = swept.stdout.split("lr-sweep: 2 jobs submitted")[1]
     assert all(child in table for child in SWEEP_CHILDREN) and "final_eval_loss" in table
+    assert "final_eval_exact_match" in table  # the config's train.best_metric: what the table ranks by
 
     client = MlflowClient(stack["mlflow"])
     runs = client.search_runs(client.get_experiment_by_name("embedded-demo").experiment_id, "tags.sweep = 'lr-sweep'")

@@ -4,7 +4,9 @@ every worker is given."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
+
+from pydantic import BaseModel
 
 from app.config.schema import FinetuneConfig
 from app.launch.inputs import CheckedInputs
@@ -27,6 +29,23 @@ class Job:
     trial: TrialLink | None = None
 
 
+# What may still read `auto` when the workers start: what only they can measure (whether their hardware computes
+# bf16; whether compiling pays on it, timed on rank 0) and a per-record mode (data.format); the driver decides the rest.
+MEASURED_ON_WORKERS = frozenset({"model.dtype", "fsdp.param_dtype", "model.compile"})
+PER_RECORD_MODES = frozenset({"data.format"})
+
+
+def autos_left(cfg: FinetuneConfig) -> list[str]:
+    """The keys whose type admits `auto` and whose value is still `auto`, dotted (a run named "auto" is no choice)."""
+    return [f"{name}.{key}" for name in type(cfg).model_fields if isinstance(section := getattr(cfg, name), BaseModel)
+            for key, field in type(section).model_fields.items()
+            if _admits_auto(field.annotation) and getattr(section, key) == "auto"]
+
+
+def _admits_auto(annotation) -> bool:
+    return annotation == "auto" if isinstance(annotation, str) else any(map(_admits_auto, get_args(annotation)))
+
+
 @dataclass(frozen=True)
 class WorkerLaunch:
     """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
@@ -44,6 +63,12 @@ class WorkerLaunch:
     init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
     rollouts: tuple = ()  # GRPO's rollout actors (app/launch/rollout_group.py)
     trial: TrialLink | None = None  # a sweep's trial: where it starts, and that its reports may be its last
+
+    def __post_init__(self):
+        undecided = [key for key in autos_left(self.config) if key not in MEASURED_ON_WORKERS | PER_RECORD_MODES]
+        if undecided:  # a launch step skipped: the workers would read `auto` where they expect a size or a choice
+            raise ValueError(f"{undecided[0]}=auto would reach the workers; the driver resolves it before they start "
+                             "(app/launch/memory_budget.py)")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.errors import UserInputError, first_line
+from app.model.packaged import build_packaged, packaged_folder, packaged_name
 from app.runs.layout import ADAPTER, ADAPTER_RUN_CONFIG
 
 
@@ -95,7 +96,17 @@ def base_of(adapter: Path, source: str = "") -> Base:
 
         metadata = mlflow.models.Model.load(source.rstrip("/")).metadata or {}
         sha256, revision = metadata.get("base_model_sha256"), metadata.get("base_model_revision", revision)
-    return Base(path, revision, sha256)
+    return Base(located_here(path), revision, sha256)
+
+
+def located_here(path: str) -> str:
+    """A recorded base as this machine has it: a packaged model (`.cache/models/NAME`) that another checkout or
+    machine recorded under its own path is this one's copy, built on first use (a registered version's sha256
+    still decides whether its weights are the same)."""
+    name = packaged_name(path)
+    if name is None or Path(path).exists():
+        return path
+    return str(build_packaged(name, packaged_folder(name)))
 
 
 def check_base(path: str, recorded: Base, who: str) -> None:

@@ -20,27 +20,53 @@ import torch
 import torch.distributed as dist
 
 from app.config.schema import FinetuneConfig
+from app.config.sections import EvalSection
 from app.data.chat import IGNORE_INDEX
 from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pairs, scaled_micro_batch_dpo_loss
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
+from app.train.generation import generation_table
 from app.train.grpo import METRIC_SUMS, figures_from_sums, metric_sums, normaliser_count, summed_loss, token_terms
 from app.train.loss import global_target_tokens, sampled_token_logps, scaled_micro_batch_loss
 from app.train.ranks import RankContext
 from app.train.reward_eval import evaluate_rewards
 from app.train.rollouts import Scorer
+from app.train.task_metrics import row_scores
 
 
-class NextToken:
+class AnswersOnRequest:
+    """The answers of an objective whose evaluation is a loss: with eval.generation_rows, each evaluation also
+    answers that many eval rows greedily and scores them by eval.metrics (each row's scores kept beside it)."""
+
+    answers: dict[str, list] | None = None  # the latest evaluation's answers table
+    answers_artifact: str | None = None  # logged at every evaluation under this name (None: only the samples)
+    answers_hold_every_eval_row = False  # they are the first eval.generation_rows rows
+    eval_cfg: EvalSection
+
+    def prompts(self, batches: Iterable[dict]) -> Iterable[dict]:
+        """Eval rows to decode answers from (app/train/generation.py)."""
+        return batches
+
+    def answer_figures(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict:
+        """The task metrics of greedy answers (their means); the answers kept, each row's scores with them."""
+        rows, metrics = self.eval_cfg.generation_rows, self.eval_cfg.metrics
+        if not rows:
+            return {}
+        table = generation_table(model, self.prompts(eval_pass()), tokenizer, rows, self.eval_cfg.max_new_tokens,
+                                 ctx.device)
+        scores = row_scores(table["generated"], table["reference"], metrics) if table["generated"] else {}
+        self.answers = table | scores
+        return {f"eval_{name}": sum(values) / len(values) for name, values in scores.items()}
+
+
+class NextToken(AnswersOnRequest):
     """Supervised fine-tuning: the mean loss per target token."""
 
     metric_names: tuple[str, ...] = ()
     normaliser_name = "step_target_tokens"
     has_reference = False  # no reference model
-    scores_answers = False  # its evaluation decodes nothing (eval.generation_rows does, in the recipe)
-    eval_table: dict[str, list] | None = None
 
     def __init__(self, cfg: FinetuneConfig):
-        self.chunk_tokens = cfg.train.loss_chunk_tokens
+        self.chunk_tokens, self.eval_cfg = cfg.train.loss_chunk_tokens, cfg.eval
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         return global_target_tokens(micro_batches)
@@ -54,25 +80,20 @@ class NextToken:
         return {}
 
     def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
-        return eval_metrics(evaluate_loss(model, eval_pass, ctx, self.chunk_tokens))
-
-    def prompts(self, batches: Iterable[dict]) -> Iterable[dict]:
-        """Eval rows to decode answers from (app/train/generation.py)."""
-        return batches
+        figures = eval_metrics(evaluate_loss(model, eval_pass, ctx, self.chunk_tokens))
+        return figures | self.answer_figures(model, eval_pass, ctx, tokenizer)
 
 
-class Preference:
+class Preference(AnswersOnRequest):
     """DPO: the policy (the LoRA model) against the reference (the same model with its adapter disabled, or
     with the run's frozen starting adapter: model.init_adapter)."""
 
     metric_names = METRICS
     normaliser_name = "step_pairs"
     has_reference = True
-    scores_answers = False
-    eval_table: dict[str, list] | None = None
 
     def __init__(self, cfg: FinetuneConfig):
-        self.dpo, self.chunk_tokens = cfg.dpo, cfg.train.loss_chunk_tokens
+        self.dpo, self.chunk_tokens, self.eval_cfg = cfg.dpo, cfg.train.loss_chunk_tokens, cfg.eval
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         return global_pair_count(micro_batches)
@@ -92,7 +113,8 @@ class Preference:
             return torch.cat([loss_sum.double().reshape(1), sums, pairs])
 
         *sums, pairs = dealt_eval_sums(model, eval_pass, ctx, score).tolist()
-        return {"eval_loss": sums[0] / pairs} | {f"eval_{k}": v for k, v in self.step_figures(sums[1:], pairs).items()}
+        rewards = {f"eval_{k}": v for k, v in self.step_figures(sums[1:], pairs).items()}
+        return {"eval_loss": sums[0] / pairs} | rewards | self.answer_figures(model, eval_pass, ctx, tokenizer)
 
     def prompts(self, batches: Iterable[dict]) -> Iterable[dict]:
         """Each pair's prompt, with its chosen answer as the reference."""
@@ -104,14 +126,15 @@ class GroupRelative:
     them (and with grpo.beta, the reference: the base with LoRA off, or the frozen starting adapter)."""
 
     metric_names = METRIC_SUMS
-    scores_answers = True  # its evaluation is greedy answers, scored
+    answers_artifact = "eval/completions.json"  # its evaluation is greedy answers to every eval prompt, scored
+    answers_hold_every_eval_row = True
 
     def __init__(self, cfg: FinetuneConfig, scorer: Scorer | None):
         self.grpo, self.eval_cfg, self.scorer = cfg.grpo, cfg.eval, scorer
         self.chunk_tokens = cfg.train.loss_chunk_tokens
         self.has_reference = cfg.grpo.beta > 0
         self.normaliser_name = "step_completion_tokens" if cfg.grpo.loss_type == "dapo" else "step_completions"
-        self.eval_table: dict[str, list] | None = None
+        self.answers: dict[str, list] | None = None
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         """The global batch's completion tokens (dapo) or answers (grpo, dr_grpo): one all-reduce. At least 1, as
@@ -140,7 +163,7 @@ class GroupRelative:
 
     def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
         """The rewards (and task metrics) of greedy answers to every eval prompt; the answers' table is kept."""
-        figures, self.eval_table = evaluate_rewards(model, eval_pass, tokenizer, ctx.device, self.scorer, self.grpo,
+        figures, self.answers = evaluate_rewards(model, eval_pass, tokenizer, ctx.device, self.scorer, self.grpo,
                                                     self.eval_cfg)
         return figures
 

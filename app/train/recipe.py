@@ -2,11 +2,13 @@
 
     setup()       tokenizer, sharded LoRA model, AdamW, LR schedule; restore the latest checkpoint
     train_step()  one optimizer step: micro-batches -> loss over the global batch -> clip -> step
-    evaluate()    eval loss (and with DPO the reward figures), task metrics of greedy answers, all ranks together
+    evaluate()    the objective's figures (eval loss; DPO's reward figures; GRPO's rewards of greedy answers), task
+                  metrics of greedy answers, all ranks together
     finish()      sample generations, the adapter gathered from every shard, the run's summary
 
 The objective (app/train/objectives.py, by train.objective) says what the loss is: next-token loss on
-the target tokens (sft) or DPO on preference pairs (dpo).
+the target tokens (sft), DPO on preference pairs (dpo), or GRPO on answers sampled and scored each step (grpo:
+the rollouts arrive as the step's batches, app/train/rollouts.py).
 
 Plain torch: the process group must exist, and batches arrive as iterables of token-row tensors
 ({"input_ids", "labels", ...}; for pairs "chosen_input_ids", "rejected_labels", ...). Ray
@@ -52,7 +54,6 @@ from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.ranks import RankContext, max_over_ranks, on_every_rank
 from app.train.rollouts import Rollouts, RolloutStream, Scorer
-from app.train.task_metrics import row_scores, score
 
 
 class Tracker(Protocol):
@@ -132,7 +133,6 @@ class FinetuneRecipe:
         self.eval_loss: float | None = None
         self.eval_figures: dict[str, float] = {}
         self.eval_step: int | None = None
-        self.generations: dict[str, list] = {}
         self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience)
         self.best_adapter: dict[str, torch.Tensor] | None = None
 
@@ -306,17 +306,12 @@ class FinetuneRecipe:
     def evaluate(self, step: int = 0) -> dict[str, float]:
         """The objective's eval figures (loss and perplexity, DPO's loss and rewards, or GRPO's rewards of greedy
         answers, whose table is logged at every evaluation); with eval.generation_rows, the task metrics of
-        greedy answers (the generations are kept: the final evaluation's become the sample table)."""
-        cfg, objective = self.cfg, self.objective
+        greedy answers. The objective keeps its answers: the final evaluation's become the sample table."""
+        objective = self.objective
         figures = objective.evaluate(self.model, self.eval_pass, self.ctx, self.tokenizer)
-        if objective.scores_answers:
-            self.generations = objective.eval_table
-            self.tracker.log_table(self.generations | {"step": [step] * len(self.generations["prompt"])},
-                                   "eval/completions.json")
-        elif cfg.eval.generation_rows:
-            self.generations = generation_table(self.model, objective.prompts(self.eval_pass()), self.tokenizer,
-                                                cfg.eval.generation_rows, cfg.eval.max_new_tokens, self.ctx.device)
-            figures |= score(self.generations["generated"], self.generations["reference"], cfg.eval.metrics)
+        answers = objective.answers
+        if objective.answers_artifact and answers is not None:
+            self.tracker.log_table(answers | {"step": [step] * len(answers["prompt"])}, objective.answers_artifact)
         self.eval_loss, self.eval_figures, self.eval_step = figures.get("eval_loss"), figures, step
         return figures
 
@@ -329,16 +324,14 @@ class FinetuneRecipe:
         return self.best.patience_spent
 
     def sample_table(self) -> dict[str, list] | None:
-        """`train.sample_prompts` generations: the final evaluation's, with each row's task scores, when it
-        decoded that many (eval.generation_rows); else decoded now."""
-        cfg, count = self.cfg, self.cfg.train.sample_prompts
+        """`train.sample_prompts` generations: the final evaluation's answers, with each row's scores, when it
+        answered that many (or every eval row); else decoded now."""
+        cfg, count, objective = self.cfg, self.cfg.train.sample_prompts, self.objective
         if not count:
             return None
-        if self.objective.scores_answers:  # every eval prompt was answered and scored
-            return {column: values[:count] for column, values in self.generations.items()}
-        if cfg.eval.generation_rows >= count:
-            table = {column: values[:count] for column, values in self.generations.items()}
-            return table | row_scores(table["generated"], table["reference"], cfg.eval.metrics)
+        answers = objective.answers
+        if answers is not None and (objective.answers_hold_every_eval_row or cfg.eval.generation_rows >= count):
+            return {column: values[:count] for column, values in answers.items()}
         return generation_table(self.model, self.objective.prompts(self.eval_pass()), self.tokenizer, count,
                                 cfg.train.sample_max_new_tokens, self.ctx.device, "train.sample_max_new_tokens")
 

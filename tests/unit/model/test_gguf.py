@@ -38,3 +38,25 @@ def test_an_architecture_transformers_cannot_dequantize_is_one_line_and_leaves_n
         dequantized_folder(str(file), cache=str(tmp_path / "cache"))
     assert "\n" not in str(e.value) and str(e.value).startswith(f"model.path={file}")
     assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_an_adapter_of_the_packaged_model_finds_it_in_another_checkout(tmp_path, monkeypatch):
+    """A run recorded its base as /elsewhere/.cache/models/NAME (a clone since removed): the adapter's base is this
+    checkout's copy of the packaged model (here already built: no dequantizing in a unit test)."""
+    import yaml
+
+    from app.model import packaged
+    from app.runs.layout import ADAPTER_RUN_CONFIG
+    from app.tracking.adapters import base_of
+
+    here = tmp_path / "models" / "smollm2-135m-instruct"
+    here.mkdir(parents=True)
+    (here / "config.json").write_text("{}")
+    monkeypatch.setattr(packaged, "ROOT", str(tmp_path / "models"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for recorded, expected in (("/gone/clone/.cache/models/smollm2-135m-instruct", str(here)),
+                               ("/gone/clone/.cache/models/other", "/gone/clone/.cache/models/other"),
+                               (str(here), str(here))):
+        (adapter / ADAPTER_RUN_CONFIG).write_text(yaml.safe_dump({"model": {"path": recorded}}))
+        assert base_of(adapter).path == expected

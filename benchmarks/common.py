@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.errors import UserInputError
+from app.plan.dtypes import DTYPE_KEYS
+from app.plan.plan import PER_RECORD_MODES, Plan, autos_left
 
 if TYPE_CHECKING:
     from app.config.schema import FinetuneConfig
@@ -36,16 +38,16 @@ def torchrun(workers: int, module: str, *args: str) -> dict:
 
 
 def step_flags(cfg: FinetuneConfig) -> list[str]:
-    """benchmarks/step.py flags that reproduce the config's training step."""
-    auto = [key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
-                                   ("model.compile", cfg.model.compile), ("scaling.mesh", cfg.scaling.mesh),
-                                   ("train.micro_batch_size", cfg.train.micro_batch_size)) if value == "auto"]
+    """benchmarks/step.py flags that reproduce the config's training step (its dtypes may be auto: step.py
+    decides them as the workers do)."""
+    auto = [key for key in autos_left(cfg) if key not in {*DTYPE_KEYS, *PER_RECORD_MODES}]
     if auto:
-        raise UserInputError(f"{auto[0]}=auto: benchmarks/step.py reproduces a resolved step; give it a value "
-                             "(`python -m jobs.plan` prints what auto chooses)")
+        raise UserInputError(f"{auto[0]}=auto: benchmarks/step.py reproduces a decided step; give it a value "
+                             "(`python -m jobs.plan` prints what the plan decides)")
     flags = ["--seq-len", str(cfg.data.max_seq_len), "--micro-batch", str(cfg.train.micro_batch_size),
-             "--accum", str(cfg.grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype, "--dtype", cfg.model.dtype,
-             "--lora-r", str(cfg.lora.r), "--loss-chunk-tokens", str(cfg.train.loss_chunk_tokens)]
+             "--accum", str(Plan(cfg).grad_accum_steps), "--param-dtype", cfg.fsdp.param_dtype,
+             "--dtype", cfg.model.dtype, "--lora-r", str(cfg.lora.r),
+             "--loss-chunk-tokens", str(cfg.train.loss_chunk_tokens)]
     flags += ["--checkpoint-every-n-layers", str(cfg.model.checkpoint_every_n_layers)] \
         if cfg.model.gradient_checkpointing else ["--no-activation-checkpointing"]
     flags += [] if cfg.fsdp.reshard_after_forward else ["--no-reshard-after-forward"]

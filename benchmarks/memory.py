@@ -1,4 +1,4 @@
-"""The memory planner (app/model/memory_plan.py) next to what a training step measures, for each memory option.
+"""The memory planner (app/plan/memory.py) next to what a training step measures, for each memory option.
 
     python -m benchmarks.memory --model-config benchmarks/shapes/bench_125m.json
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from app.config.loading import load_config
-from app.model.memory_plan import plan_memory
+from app.plan.memory import plan_memory
 from benchmarks.common import DEFAULT_OUT, SHAPES, random_checkpoint, step_flags, torchrun, write_and_log
 
 OPTIONS = {  # name -> config overrides (and so benchmarks/step.py flags)

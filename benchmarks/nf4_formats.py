@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-import app  # noqa: F401  (first: its log filter must be in place before torchao is imported)
+from app.logs import quiet_import_noise
 
 
 def _timed(fn, repeats: int):
@@ -57,6 +57,7 @@ def compare(rows: int, cols: int, tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()  # before torchao is imported
     parser = argparse.ArgumentParser(prog="python -m benchmarks.nf4_formats", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=5632, help="default: an MLP matrix of the 0.75B shape")
     parser.add_argument("--cols", type=int, default=2048)

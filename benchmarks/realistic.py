@@ -43,7 +43,7 @@ MODES = {"a_packed": "(a) job, packed", "a_prime_unpacked": "(a') job, one recor
 def long_tailed_chats(count: int, seed: int) -> list[dict]:
     """Chats that spell out a list of numbers; the list length is log-normal, so most records are short
     and a few run to ~1,000 tokens."""
-    from app.model.embedded import number_in_words
+    from jobs.embedded import number_in_words
 
     rng = np.random.default_rng(seed)
     records = []
@@ -61,8 +61,8 @@ def prepare(out: Path, records: int, model_path: str | None = None) -> tuple[Pat
     from transformers import AutoTokenizer
 
     from app.config.loading import load_config
-    from app.model.embedded import ensure_embedded
     from app.model.packaged import ensure_packaged
+    from jobs.embedded import ensure_embedded
 
     out.mkdir(parents=True, exist_ok=True)
     if model_path:

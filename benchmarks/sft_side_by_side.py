@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from app.config.loading import load_config
-from app.launch.inputs import prepare_files
+from app.launch.inputs import plan_files
 from benchmarks.common import report_side_by_side, run_job_steadily, torchrun
 from benchmarks.exact_match import held_out_rewards
+from jobs.embedded import ensure_embedded
 
 T_START = time.perf_counter()
 
@@ -57,7 +58,10 @@ def run_job(args, cfg) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg, sources = prepare_files(load_config(args.config, args.set))
+    cfg = load_config(args.config, args.set)
+    ensure_embedded(cfg)
+    plan, sources = plan_files(cfg)
+    cfg = plan.cfg
     train, workers = cfg.train, cfg.scaling.num_workers
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"config": args.config, "overrides": args.set, "model": cfg.model.path, "steps": train.max_steps,

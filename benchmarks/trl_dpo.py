@@ -66,8 +66,8 @@ def long_tailed_pairs(count: int, seed: int) -> list[dict]:
     """realistic.py's chats as pairs: rejected spells one of the numbers one off (a near miss)."""
     import numpy as np
 
-    from app.model.embedded import number_in_words
     from benchmarks.realistic import long_tailed_chats
+    from jobs.embedded import number_in_words
 
     rng = np.random.default_rng(seed + 100)
     pairs = []
@@ -87,8 +87,8 @@ def prepare(args) -> tuple[str, str, str]:
     from transformers import AutoTokenizer
 
     from app.config.loading import load_config
-    from app.model.embedded import ensure_embedded
     from benchmarks.common import SHAPES, random_checkpoint
+    from jobs.embedded import ensure_embedded
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from app.config.loading import load_config
-from app.launch.inputs import prepare_files
+from app.launch.inputs import plan_files
+from jobs.embedded import ensure_embedded
 
 T_START = time.perf_counter()
 
@@ -120,7 +121,10 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.common import report_side_by_side, torchrun
 
-    cfg, sources = prepare_files(load_config(args.config, overrides(args)))
+    cfg = load_config(args.config, overrides(args))
+    ensure_embedded(cfg)
+    plan, sources = plan_files(cfg)
+    cfg = plan.cfg
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"config": args.config, "overrides": overrides(args), "model": cfg.model.path,
               "steps": cfg.train.max_steps, "warmup": args.warmup, "workers": cfg.scaling.num_workers,

@@ -9,10 +9,12 @@ import json
 from pathlib import Path
 
 from app.errors import CommandParser
-from app.model.embedded import build_embedded
+from app.logs import quiet_import_noise
+from jobs.embedded import build_embedded
 
 
 def main() -> None:
+    quiet_import_noise()
     parser = CommandParser(prog="python -m jobs.build_embedded", description=__doc__.split("\n")[1])
     parser.add_argument("--out", default=".cache/embedded", help="directory to write model/ and data/ into")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")

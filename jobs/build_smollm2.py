@@ -13,12 +13,14 @@ import json
 import time
 
 from app.errors import CommandParser, exit_code
+from app.logs import quiet_import_noise
 from app.model.packaged import ROOT, build_packaged, packaged_folder, packaged_gguf
 
 NAME = "smollm2-135m-instruct"
 
 
 def main() -> int:
+    quiet_import_noise()
     parser = CommandParser(prog="python -m jobs.build_smollm2", description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=ROOT, help="folder to write the model's folder into")
     args = parser.parse_args()

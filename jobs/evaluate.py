@@ -26,6 +26,7 @@ from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code
 from app.evaluation.gym_lm_eval import with_gym_tasks
 from app.evaluation.harness import Evaluation, check_tasks, task_metadata
+from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
 from app.runs.layout import OutputDir
 
@@ -116,6 +117,7 @@ def print_scores(done: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
 
     def evaluate_and_print() -> int:

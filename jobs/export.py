@@ -26,6 +26,7 @@ from pathlib import Path
 from app.config.loading import load_config
 from app.config.paths import why_unwritable
 from app.errors import CommandParser, UserInputError, exit_code, first_line
+from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
 from app.runs.layout import ADAPTER_COMPLETE, ADAPTER_RUN_CONFIG
 
@@ -126,6 +127,7 @@ def write_export(args: argparse.Namespace, adapter: Path, base: Path | None, out
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
 
     def export_and_print() -> int:

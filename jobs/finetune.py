@@ -20,6 +20,8 @@ from app.config.loading import load_config
 from app.config.paths import why_unwritable
 from app.errors import CommandParser, UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
+from app.logs import quiet_import_noise
+from jobs.embedded import ensure_embedded
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +41,7 @@ def _stop_on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     return exit_code(lambda: finetune(args))
@@ -51,6 +54,7 @@ def finetune(args: argparse.Namespace) -> int:
     if problem:
         raise UserInputError(f"train.output_dir={cfg.train.output_dir}: {problem}; choose a directory this job "
                              "can write to")
+    ensure_embedded(cfg)  # the demo's model and data, on first use
     if not args.verbose:
         quiet_driver_logging()
     from app.launch.driver import run_finetune  # imports Ray: only after the config is known good

@@ -20,6 +20,7 @@ import psutil
 
 from app.config.loading import load_config
 from app.errors import CommandParser, UserInputError, exit_code, first_line
+from app.logs import quiet_import_noise
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,15 +52,16 @@ def plan(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device-memory-gb {args.device_memory_gb:g}: must be more than 0 (one device's "
                              "memory in GiB, e.g. 80)")
     cfg = load_config(args.config, args.overrides)
-    from app.launch.inputs import with_model_folder
     from app.model.files import check_model_files
-    from app.model.memory_choices import resolve_memory_choices
-    from app.model.memory_plan import GiB, format_plan, plan_memory
+    from app.plan.memory import GiB, format_plan, plan_memory
+    from app.plan.memory_choices import resolve_memory_choices
+    from app.plan.model_source import model_folder_decisions
+    from app.plan.plan import Plan
 
     if args.model_config:
         check_model_config_file(args.model_config)
     else:
-        cfg = with_model_folder(cfg)  # a .gguf file: its dequantized folder; a packaged model: built
+        cfg = Plan(cfg).decided(*model_folder_decisions(cfg)).cfg  # a .gguf file's folder; a packaged model built
         check_model_files(cfg.model)
     device_gb = args.device_memory_gb or cfg.scaling.device_memory_gb
     try:
@@ -74,9 +76,9 @@ def plan(args: argparse.Namespace) -> int:
     reasons = choices.reasons if choices else {}
     if args.json:
         print(json.dumps({"device": memory.device, "host": memory.host, "device_total": memory.device_total,
-                          "base_params": memory.base_params, "lora_params": memory.lora_params, "auto": reasons}))
+                          "base_params": memory.base_params, "lora_params": memory.lora_params, "plan": reasons}))
         return 0
-    print("\n".join([*(f"auto: {key}={why}" for key, why in reasons.items()),
+    print("\n".join([*(f"plan: {key}={why}" for key, why in reasons.items()),
                      format_plan(memory, budget[0] if budget else None)]))
     return 0
 
@@ -97,6 +99,7 @@ def planning_budget(cfg, device_gb: float | None) -> tuple[float, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     return exit_code(lambda: plan(args))
 

@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 
 from app.errors import CommandParser, UserInputError, exit_code
 from app.evaluation.promotion import NOT_PROMOTED, decide
+from app.logs import quiet_import_noise
 from jobs.evaluate import add_evaluation_arguments, evaluate, print_scores, tracking_client
 
 
@@ -96,6 +97,7 @@ def record(client, args: argparse.Namespace, champion: str | None, decision, sco
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     return exit_code(lambda: promote(args))
 

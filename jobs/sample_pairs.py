@@ -22,8 +22,10 @@ from app.config.loading import load_config
 from app.data.gym_tasks import questions_of
 from app.data.sources import resolve_source
 from app.errors import CommandParser, UserInputError, exit_code
-from app.launch.inputs import with_model_folder
+from app.logs import quiet_import_noise
 from app.model.base import load_tokenizer
+from app.plan.model_source import model_folder_decisions
+from app.plan.plan import Plan
 from app.train.preference_pairs import answers, right_and_wrong
 from app.train.sampling import build_sampler
 
@@ -52,7 +54,8 @@ def parse_args(argv=None):
 def sample_pairs(args) -> dict:
     if Path(args.out).exists():
         raise UserInputError(f"--out {args.out}: exists; choose another file (nothing is overwritten)")
-    cfg = with_model_folder(load_config(args.config, args.overrides))
+    requested = load_config(args.config, args.overrides)
+    cfg = Plan(requested).decided(*model_folder_decisions(requested)).cfg
     held_out = frozenset(questions_of(resolve_source(args.held_out, "--held-out").files[0])) if args.held_out \
         else frozenset()
     source = resolve_source(args.source, "--source", held_out)
@@ -72,6 +75,7 @@ def sample_pairs(args) -> dict:
 
 
 def main(argv=None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     return exit_code(lambda: print(json.dumps(sample_pairs(args))) or 0)
 

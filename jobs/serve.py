@@ -29,6 +29,7 @@ from pathlib import Path
 
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, first_line
+from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
 from app.runs.layout import OutputDir
 from app.tracking.adapters import registered_version
@@ -197,6 +198,7 @@ def checked_arguments(args: argparse.Namespace) -> tuple[dict[str, str], str | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     try:
         adapters, key = checked_arguments(args)

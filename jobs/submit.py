@@ -32,6 +32,7 @@ from app.config.loading import load_config
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code, first_line
 from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
+from app.logs import quiet_import_noise
 from jobs.tune import parse_args as parse_tune_args
 from jobs.tune import sweep_config, sweep_name
 
@@ -288,6 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     return exit_code(lambda: run_command(args))
 

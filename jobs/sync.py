@@ -16,6 +16,7 @@ import sys
 from app.config.loading import load_config
 from app.config.paths import export_tracking_credentials
 from app.errors import CommandParser, exit_code
+from app.logs import quiet_import_noise
 from app.tracking.journal import Journal
 from app.tracking.logger import bound_http_calls
 
@@ -29,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     return exit_code(lambda: sync(args.run_name, args.config, args.overrides))
 

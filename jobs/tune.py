@@ -29,6 +29,8 @@ from app.config.space import check_space
 from app.errors import CommandParser, UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
 from app.launch.sweep import format_table
+from app.logs import quiet_import_noise
+from jobs.embedded import ensure_embedded
 
 FLAGS = {"num_samples": int, "max_concurrent": int, "metric": str, "mode": str, "scheduler": str,
          "grace_period": int, "reduction_factor": float, "perturbation_interval": int, "quantile_fraction": float,
@@ -91,6 +93,7 @@ def sweep_name(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_noise()
     args = parse_args(argv)
     # `ray job stop` sends SIGTERM: stop as on Ctrl-C, where Ray Tune saves the sweep for --resume
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def tune_sweep(args: argparse.Namespace) -> int:
     cfg, name = sweep_config(args), sweep_name(args)
-    from app.launch.inputs import check_tracking_server, prepare_files  # after the config is known good
+    from app.launch.inputs import check_tracking_server, plan_files  # after the config is known good
 
     if args.resume and not cfg.output.run(name).exists("sweep.json"):
         raise UserInputError(f"--resume {name}: no sweep of that name under {cfg.train.output_dir}")
@@ -110,7 +113,8 @@ def tune_sweep(args: argparse.Namespace) -> int:
         if cfg.output.run(name).exists():
             raise UserInputError(f"--name {name}: {cfg.output.run(name).root} exists; choose another name, or "
                                  f"--resume {name}")
-        cfg, _ = prepare_files(cfg)  # a GGUF model's folder, a hub model's commit: what every trial reads
+        ensure_embedded(cfg)
+        cfg = plan_files(cfg)[0].cfg  # a GGUF model's folder, a hub model's commit: what every trial reads
     check_tracking_server(cfg.mlflow.tracking_uri)
     if not args.verbose:
         quiet_driver_logging()

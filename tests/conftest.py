@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from app.logs import quiet_import_noise
 from tests.helpers import REPO, SHORT_RUN, make_config
+
+quiet_import_noise()  # the test process starts here
 
 # Ray Train's controller records a reported checkpoint at its next poll (2 s by default); polling faster
 # keeps the fault tests' kill-to-checkpoint margins short and every job's start and end shorter. Set at
@@ -19,7 +22,7 @@ os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
 def embedded() -> dict[str, Path]:
     """The embedded model and data, built by the same code as `make embedded` (once, also when several
     test processes start at the same time; reused if present)."""
-    from app.model.embedded import build_once
+    from jobs.embedded import build_once
 
     root = REPO / ".cache" / "embedded"
     build_once(root)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from app.config.loading import load_config
 from app.config.schema import FinetuneConfig
+from app.plan.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "jobs" / "configs" / "embedded.yaml"
@@ -40,6 +41,15 @@ def make_config(tmp_path: Path, embedded: dict[str, Path], *overrides: str) -> F
     return load_config(EMBEDDED_CONFIG, [
         f"model.path={embedded['model']}", f"data.train_path={embedded['train']}",
         f"data.eval_path={embedded['eval']}", f"train.output_dir={tmp_path / 'outputs'}", *overrides])
+
+
+def driver_plan(cfg: FinetuneConfig) -> Plan:
+    """The plan the driver would hand the workers, for tests that run the recipe without Ray: the memory `auto`
+    values decided against a budget the embedded model fits without checkpointing (as the job decides here)."""
+    from app.plan.memory import GiB
+    from app.plan.memory_choices import resolve_memory_choices
+
+    return Plan(cfg).decided(*resolve_memory_choices(cfg, 8 * GiB, "the tests' 8 GiB").fitting())
 
 
 def register_adapter(embedded: dict[str, Path], adapter: str, folder: Path, uri: str, name: str,

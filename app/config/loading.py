@@ -90,7 +90,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Fi
         raise UserInputError(_one_line(e, source)) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", Path(path).stem if path else "finetune").strip(".-") or "finetune"
-    return _resolved(cfg, default_run_name=f"{stem.replace('..', '.')}-{stamp}")
+    try:
+        return _resolved(cfg, default_run_name=f"{stem.replace('..', '.')}-{stamp}")
+    except ValidationError as e:
+        raise UserInputError(_one_line(e, source)) from None
 
 
 def _template_text(template: str | None) -> str | None:
@@ -108,21 +111,19 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     out_dir = paths.output_dir(cfg.train.output_dir)
     tracking_uri = resolve_tracking_uri(cfg.mlflow.tracking_uri, OutputDir(out_dir))
     record_format = objective_of(cfg.train).record_format  # one pair or prompt a row
-    return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"path": paths.input_path(cfg.model.path),
-                                              "init_adapter": paths.adapter_source(cfg.model.init_adapter)}),
-        "data": cfg.data.model_copy(update={
-            "train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
-                           else [paths.input_path(p) for p in cfg.data.train_path]),
-            "eval_path": paths.input_path(cfg.data.eval_path),
-            "chat_template": _template_text(cfg.data.chat_template),
-            "format": record_format or cfg.data.format,
-            "packing": cfg.data.packing and not record_format}),
-        "train": cfg.train.model_copy(update={"output_dir": out_dir, "run_name": cfg.train.run_name or default_run_name,
-                                              "best_metric": _best_metric(cfg)}),
-        "grpo": cfg.grpo.model_copy(update={"reward_funcs": [paths.function_source(spec)
-                                                              for spec in cfg.grpo.reward_funcs]}),
-        "mlflow": cfg.mlflow.model_copy(update={"tracking_uri": tracking_uri}),
+    return cfg.with_set({
+        "model.path": paths.input_path(cfg.model.path),
+        "model.init_adapter": paths.adapter_source(cfg.model.init_adapter),
+        "data.train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
+                            else [paths.input_path(p) for p in cfg.data.train_path]),
+        "data.eval_path": paths.input_path(cfg.data.eval_path),
+        "data.chat_template": _template_text(cfg.data.chat_template),
+        "data.format": record_format or cfg.data.format,
+        "data.packing": cfg.data.packing and not record_format,
+        "train.output_dir": out_dir, "train.run_name": cfg.train.run_name or default_run_name,
+        "train.best_metric": _best_metric(cfg),
+        "grpo.reward_funcs": [paths.function_source(spec) for spec in cfg.grpo.reward_funcs],
+        "mlflow.tracking_uri": tracking_uri,
     })
 
 

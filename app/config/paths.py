@@ -55,6 +55,18 @@ def function_source(spec: str) -> str:
     return f"{path.resolve()}:{name}"
 
 
+def embedded_root(path: str | None) -> Path | None:
+    """The `.cache/embedded` folder a local path lies in, if it does: where the embedded demo's model and its
+    data are (the defaults read it; jobs/embedded.py builds it)."""
+    if not path or "://" in path:
+        return None
+    parts = Path(path).parts
+    for i in range(len(parts) - 1):
+        if parts[i : i + 2] == (".cache", "embedded"):
+            return Path(*parts[: i + 2])
+    return None
+
+
 def output_dir(path: str) -> str:
     """train.output_dir as an absolute path or URI; in a job, never inside the job's working directory."""
     if "://" in path or Path(path).expanduser().is_absolute():

@@ -13,7 +13,6 @@ from pydantic import model_validator
 
 from app.config.dpo import DpoSection
 from app.config.grpo import GrpoSection
-from app.config.objectives import objective_of
 from app.config.rules import RULES
 from app.config.sections import (
     DataSection,
@@ -27,7 +26,6 @@ from app.config.sections import (
     TrainSection,
 )
 from app.config.tune import TuneSection
-from app.errors import UserInputError
 from app.runs.layout import OutputDir, RunDir
 
 
@@ -58,21 +56,15 @@ class FinetuneConfig(Section):
         each holds the most): what the planner and the NF4 shapes are checked for."""
         return self.scaling.mesh_shape(self.scaling.worker_counts[0])[-1]
 
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.grad_accum_steps_on(self.scaling.num_workers)
-
-    def rows_per_batch(self, workers: int) -> int:
-        """Rows of the training data a rank takes at a time (the objective's Objective.rows_per_batch)."""
-        return objective_of(self.train).rows_per_batch(self.train, self.grpo, workers)
-
-    def grad_accum_steps_on(self, workers: int) -> int:
-        """Micro-batches per optimizer step on `workers` workers: the global batch is the same on any count."""
-        if self.train.micro_batch_size == "auto":
-            raise UserInputError("train.micro_batch_size=auto: the micro-batch, and so the accumulation steps, is "
-                                 "chosen from the memory plan when the job starts (`python -m jobs.plan` prints it); "
-                                 "give a number to know it before")
-        return self.train.global_batch_size // (self.train.micro_batch_size * workers)
+    def with_set(self, values: dict[str, Any]) -> FinetuneConfig:
+        """A new config with `values` ({"train.learning_rate": 1e-3, ...}) set and validated again, every rule
+        included (a ValidationError names the first problem): the one way a config is derived from another, which
+        stays as it is."""
+        tree = self.model_dump(exclude_unset=True)
+        for dotted, value in values.items():
+            section, key = dotted.split(".")
+            tree.setdefault(section, {})[key] = value
+        return type(self).model_validate(tree)
 
     @property
     def output(self) -> OutputDir:

@@ -18,14 +18,13 @@ NOT_SWEPT = ("train.run_name", "train.output_dir", "mlflow.tracking_uri", "mlflo
 def with_values(cfg: FinetuneConfig, values: dict[str, Any], source: str = "tune.space") -> FinetuneConfig:
     """The config with `values` ({"train.learning_rate": 1e-3, ...}) set and validated again, rules included."""
     tree = cfg.model_dump()
-    for dotted, value in values.items():
+    for dotted in values:
         section, _, key = dotted.partition(".")
         if section not in tree or key not in tree[section] or section == "tune" or dotted in NOT_SWEPT:
             raise UserInputError(f"{source}: {dotted} is not a config key a trial can set"
                                  f"{' (the sweep sets it)' if dotted in NOT_SWEPT else ''}")
-        tree[section][key] = value
     try:
-        return FinetuneConfig.model_validate(tree)
+        return cfg.with_set(values)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

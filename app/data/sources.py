@@ -73,7 +73,7 @@ def _holds_an_array(path: Path) -> bool:
     return head[:1] == b"["
 
 
-def check_source(source: DataSource, fmt: str, key: str = "data.train_path", split: str = "train") -> int:
+def checked_records(source: DataSource, fmt: str, key: str = "data.train_path", split: str = "train") -> int:
     """Validate every local record (JSONL) or the schema (Parquet, datasets); return the row count.
 
     The first bad record stops the run, named by file and line, so nothing is silently dropped.

@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.config.paths import embedded_root
 from app.errors import UserInputError, first_line
 from app.model.adapter import peft_on_transformers_5
-from app.model.embedded import embedded_root
 
 SHIPPED_TASKS = Path(__file__).parent / "tasks"
 

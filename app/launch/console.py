@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from app.logs import IMPORT_NOISE
+
 # Lines that carry no information for the user of a job (each seen in a 2-worker run of the demo).
 RAY_NOISE = re.compile("|".join([
     r"has constructor arguments in the object store and max_restarts > 0",  # ray issue 53727
@@ -24,6 +26,7 @@ RAY_NOISE = re.compile("|".join([
     r"`ExecutionOptions\.exclude_resources` is deprecated",  # Ray Train's own use of Ray Data
     r"Started training worker group of size", r"- \(ip=\S+, pid=\d+\) world_rank=",
     r"Reporting training result \d+: TrainingReport",  # logged under a file-path logger name, no level applies
+    IMPORT_NOISE.pattern,  # torchao's import-time lines (app/logs.py), written as a worker loads the training stack
 ]))
 # Warnings Ray's own actors repeat on every poll (Ray Train's placement-group cleaner, once a node has left).
 ONCE_PER_JOB = re.compile(r"Failed to query Ray Train Controller actor state|Failed to query placement group table")

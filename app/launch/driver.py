@@ -1,5 +1,6 @@
-"""The driver of a run, in named steps: check the inputs, join or start Ray, claim the run, open its MLflow
-run, build the data and the worker group, train, record.
+"""The driver of a run, in named steps: check the inputs and plan the run (app/plan/: what `auto` and the
+model's source become, each decided once), join or start Ray, claim the run, open its MLflow run, build the
+data and the worker group, train, record.
 
 Order matters: everything a user can get wrong is checked before any worker starts, what reads only files
 before Ray starts, so a typo costs seconds, not a worker group's start. What overlaps: the checks that load
@@ -27,10 +28,11 @@ from app.launch.inputs import (
     CheckedSources,
     check_resumed_data,
     check_tracking_server,
-    prepare_files,
+    plan_files,
 )
 from app.launch.job import Job, TrialLink
 from app.launch.summary import job_summary
+from app.plan.plan import Plan
 from app.runs.claim import check_run_dir, claimed_run
 from app.train.progress import StartupClock
 
@@ -50,33 +52,35 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     startup = StartupClock(started_at or time.time())
     if started_at is not None:
         startup.reached("driver_ready")
-    cfg, sources = prepare_files(cfg)
+    plan, sources = plan_files(cfg)
     check_tracking_server(cfg.mlflow.tracking_uri)
     check_run_dir(cfg.run_dir, resume)
     if resume:
         check_resumed_data(cfg.run_dir, cfg.data.train_paths, sources.train_digests)
-    cfg, inputs = checked_while_ray_starts(cfg, sources, startup, verbose)
-    check_placement(cfg)
-    from app.launch.memory_budget import with_memory_choices  # start-up: the planner, loaded by the checks' thread
+    plan, inputs = checked_while_ray_starts(plan, sources, startup, verbose)
+    check_placement(plan.cfg)
+    from app.launch.memory_budget import memory_decisions  # start-up: the planner, loaded by the checks' thread
 
-    cfg, auto_choices = with_memory_choices(cfg)
+    plan = plan.decided(*memory_decisions(plan.cfg))
+    print_plan(plan)
     claim = ClaimWatch()
     with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile
 
-        run_id = recording.open_mlflow_run(cfg, inputs, run_to_continue, auto_choices)
-        job = Job(cfg, inputs, run_id, startup, verbose, trial)
+        run_id = recording.open_mlflow_run(plan, inputs, run_to_continue)
+        job = Job(plan, inputs, run_id, startup, verbose, trial)
         startup.reached("mlflow_run_ready")
         metrics, model, mlflow_synced = train_and_record(job, claim)
-    return job_summary(cfg, job.run_id, metrics, startup, mlflow_synced, model, wall_seconds=time.perf_counter() - t0)
+    return job_summary(plan.cfg, job.run_id, metrics, startup, mlflow_synced, model,
+                       wall_seconds=time.perf_counter() - t0)
 
 
-def checked_while_ray_starts(cfg: FinetuneConfig, sources: CheckedSources, startup: StartupClock,
-                             verbose: bool) -> tuple[FinetuneConfig, CheckedInputs]:
+def checked_while_ray_starts(plan: Plan, sources: CheckedSources, startup: StartupClock,
+                             verbose: bool) -> tuple[Plan, CheckedInputs]:
     """Ray starts (or is joined) while a thread runs the checks that load the model stack; a local cluster
     this call started is stopped again if they fail: nothing of this job is left running."""
-    checked = in_background("checks", check_model_stack, cfg, sources, startup)
-    started_ray = init_ray(verbose, extra_cpus=rollout_resources(cfg)[0])
+    checked = in_background("checks", model_stack_checked_in_thread, plan, sources, startup)
+    started_ray = init_ray(verbose, extra_cpus=rollout_resources(plan.cfg)[0])
     startup.reached("ray_ready")
     try:
         return checked.result()
@@ -86,11 +90,17 @@ def checked_while_ray_starts(cfg: FinetuneConfig, sources: CheckedSources, start
         raise
 
 
-def check_model_stack(cfg: FinetuneConfig, sources: CheckedSources,
-                      startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
-    from app.launch.model_checks import prepare_model  # start-up: the model stack loads in this thread, beside Ray's
+def model_stack_checked_in_thread(plan: Plan, sources: CheckedSources,
+                                  startup: StartupClock) -> tuple[Plan, CheckedInputs]:
+    from app.launch.model_checks import model_stack_checked  # start-up: the model stack loads beside Ray's processes
 
-    return prepare_model(cfg, sources, startup)
+    return model_stack_checked(plan, sources, startup)
+
+
+def print_plan(plan: Plan) -> None:
+    """What the driver decided for the run, one line each (the workers print what they measure)."""
+    for key, why in plan.reasons.items():
+        print(f"plan: {key}={why}", flush=True)
 
 
 def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str], bool]:

@@ -1,24 +1,21 @@
 """What the driver checks before Ray starts: what reads only files (the model's directory, every data source
-and its records), so that the commonest mistakes cost a second, and a hub model pinned to its commit. What
+and its records), so that the commonest mistakes cost a second, once the plan has its model's folder and commit. What
 loads the model stack is checked while Ray starts (app/launch/model_checks.py). Either way one line naming
 the key, file or line."""
 
 from __future__ import annotations
 
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig
 from app.data.gym_tasks import is_task_source, questions_of
-from app.data.sources import DataSource, check_source, resolve_source, source_digest
+from app.data.sources import DataSource, checked_records, resolve_source, source_digest
 from app.errors import UserInputError, first_line
-from app.model.embedded import ensure_embedded
 from app.model.files import check_model_files
-from app.model.gguf import dequantized_folder
-from app.model.packaged import ensure_packaged
+from app.plan.model_source import hub_revision_decision, model_folder_decisions
+from app.plan.plan import Plan
 from app.runs.layout import RunDir
 
 
@@ -39,34 +36,24 @@ class CheckedInputs(CheckedSources):
     init_adapter_sha256: str | None = None  # of its weights file: a resumed run must start from the same
 
 
-def prepare_files(cfg: FinetuneConfig) -> tuple[FinetuneConfig, CheckedSources]:
-    """Before Ray starts: the embedded demo or a packaged model built if the config reads it, a GGUF model
-    dequantized into its folder, a hub model pinned to its commit, what reads files alone (the model's directory,
-    every data source and record: the commonest mistakes)."""
-    ensure_embedded(cfg)
-    cfg = pin_hub_revision(with_model_folder(cfg))
-    return cfg, check_sources(cfg)
+def plan_files(cfg: FinetuneConfig) -> tuple[Plan, CheckedSources]:
+    """Before Ray starts: the plan's first decisions (the model's folder, a hub model's commit:
+    app/plan/model_source.py), then what reads files alone (the model's directory, every data source and record:
+    the commonest mistakes)."""
+    plan = Plan(cfg).decided(*model_folder_decisions(cfg))
+    plan = plan.decided(*hub_revision_decision(plan.cfg))
+    return plan, checked_sources(plan.cfg)
 
 
-def with_model_folder(cfg: FinetuneConfig) -> FinetuneConfig:
-    """The config with a GGUF model replaced by its dequantized folder, and a packaged model built: every later
-    step (the workers, the planner, sharded loading, the adapter's recorded base) reads an ordinary folder."""
-    ensure_packaged(cfg.model.path)
-    folder = dequantized_folder(cfg.model.path, cfg.model.gguf_file)
-    if folder == cfg.model.path:
-        return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "gguf_file": None})})
-
-
-def check_sources(cfg: FinetuneConfig) -> CheckedSources:
+def checked_sources(cfg: FinetuneConfig) -> CheckedSources:
     """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
     local record."""
     check_model_files(cfg.model)
     eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
     held_out = frozenset(questions_of(eval_.files[0])) if is_task_source(cfg.data.eval_path) else frozenset()
     train = [resolve_source(path, "data.train_path", held_out) for path in cfg.data.train_paths]
-    train_rows = [check_source(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
-    eval_rows = check_source(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
+    train_rows = [checked_records(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
+    eval_rows = checked_records(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
     return CheckedSources(train, eval_, train_rows, eval_rows, [source_digest(source) for source in train],
                           source_digest(eval_) if eval_ else None)
 
@@ -100,20 +87,3 @@ def check_resumed_data(run_dir: RunDir, train_paths: list[str], digests: list[st
     raise UserInputError(f"--resume: data.train_path={path} changed since run {run_dir.name} started (digest {was} "
                          f"then, {now} now): its passes would hold other rows; put the data back as it was, or start "
                          "a new run (another train.run_name)")
-
-
-def pin_hub_revision(cfg: FinetuneConfig) -> FinetuneConfig:
-    """A hub model's revision (a branch, a tag, or none: main) resolved to its commit here, in the driver:
-    every worker then loads the same weights even if the branch moves during the run, the run is tagged
-    with the commit, and a resume can check it still trains the same model."""
-    path, revision = cfg.model.path, cfg.model.revision
-    if looks_local(path) or "://" in path or (revision and re.fullmatch(r"[0-9a-f]{40}", revision)):
-        return cfg
-    from huggingface_hub import HfApi  # start-up: only a hub model needs it (seconds of imports)
-
-    try:
-        sha = HfApi().model_info(path, revision=revision).sha
-    except Exception as e:  # no network, no such repo or revision, a gated repo without HF_TOKEN
-        raise UserInputError(f"model.path={path}: cannot resolve revision {revision or 'main'} on the hub "
-                             f"({first_line(e, 200)}); check the id, HF_TOKEN, or give a local directory") from None
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": sha})})

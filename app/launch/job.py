@@ -4,12 +4,11 @@ every worker is given."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, get_args
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING
 
 from app.config.schema import FinetuneConfig
 from app.launch.inputs import CheckedInputs
+from app.plan.plan import Plan
 from app.train.progress import StartupClock
 
 if TYPE_CHECKING:  # the handles' types: this module itself needs no Ray
@@ -18,41 +17,30 @@ if TYPE_CHECKING:  # the handles' types: this module itself needs no Ray
 
 @dataclass(frozen=True)
 class Job:
-    """The config as the workers will read it, every checked input, the MLflow run, the start-up clock (on
-    which `startup.job_start_time` is the job's start), and whether Ray's own lines are shown."""
+    """The run's plan (what the user asked and what the driver decided), every checked input, the MLflow run,
+    the start-up clock (on which `startup.job_start_time` is the job's start), and whether Ray's own lines are
+    shown."""
 
-    cfg: FinetuneConfig
+    plan: Plan
     inputs: CheckedInputs
     run_id: str
     startup: StartupClock
     verbose: bool = False
     trial: TrialLink | None = None
 
-
-# What may still read `auto` when the workers start: what only they can measure (whether their hardware computes
-# bf16; whether compiling pays on it, timed on rank 0) and a per-record mode (data.format); the driver decides the rest.
-MEASURED_ON_WORKERS = frozenset({"model.dtype", "fsdp.param_dtype", "model.compile"})
-PER_RECORD_MODES = frozenset({"data.format"})
-
-
-def autos_left(cfg: FinetuneConfig) -> list[str]:
-    """The keys whose type admits `auto` and whose value is still `auto`, dotted (a run named "auto" is no choice)."""
-    return [f"{name}.{key}" for name in type(cfg).model_fields if isinstance(section := getattr(cfg, name), BaseModel)
-            for key, field in type(section).model_fields.items()
-            if _admits_auto(field.annotation) and getattr(section, key) == "auto"]
-
-
-def _admits_auto(annotation) -> bool:
-    return annotation == "auto" if isinstance(annotation, str) else any(map(_admits_auto, get_args(annotation)))
+    @property
+    def cfg(self) -> FinetuneConfig:
+        """The config with the driver's decisions: what the launching steps read."""
+        return self.plan.cfg
 
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """What the driver hands every worker: the validated config, the MLflow run to log to, and the actor
+    """What the driver hands every worker: the run's plan, the MLflow run to log to, and the actor
     that gives each rank its rows of every pass over the training data and the eval rows
     (app.data.coordinator.PassCoordinator; they may still be being built when the workers start)."""
 
-    config: FinetuneConfig
+    plan: Plan
     mlflow_run_id: str
     job_start_time: float
     passes: ray.actor.ActorHandle
@@ -65,10 +53,10 @@ class WorkerLaunch:
     trial: TrialLink | None = None  # a sweep's trial: where it starts, and that its reports may be its last
 
     def __post_init__(self):
-        undecided = [key for key in autos_left(self.config) if key not in MEASURED_ON_WORKERS | PER_RECORD_MODES]
-        if undecided:  # a launch step skipped: the workers would read `auto` where they expect a size or a choice
+        # a launch step skipped: the workers would read `auto` where they expect a size or a choice
+        if undecided := self.plan.undecided():
             raise ValueError(f"{undecided[0]}=auto would reach the workers; the driver resolves it before they start "
-                             "(app/launch/memory_budget.py)")
+                             "(app/launch/memory_budget.py, app/plan/memory_choices.py)")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """How much memory one training worker has, asked of the cluster before launch, and the config's speed-for-memory
-`auto` choices resolved against it (app/model/memory_choices.py): a run that cannot fit stops here, not at its
+`auto` values decided against it (app/plan/memory_choices.py): a run that cannot fit stops here, not at its
 first step."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from ray.exceptions import GetTimeoutError
 
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError, first_line, warn
-from app.model.memory_choices import resolve_memory_choices
-from app.model.memory_plan import GiB
+from app.plan.memory import GiB
+from app.plan.memory_choices import resolve_memory_choices
+from app.plan.plan import Decision
 
 GPU_PROBE_SECONDS = 120.0
 # On CPU workers the peak measured 2.1-2.3x the plan (allocator cache, gloo and FSDP buffers: docs/performance.md,
@@ -48,10 +49,10 @@ def worker_memory_budget(cfg: FinetuneConfig) -> tuple[float, str]:
                                                f"/ {HOST_PEAK_OVER_PLAN:g}: CPU peaks over plans")
 
 
-def with_memory_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
-    """The config as the workers train it (checkpointing, micro-batch and mesh resolved) and why, each auto choice
-    printed; a one-line error when the plan does not fit the worker's memory. A model the planner cannot read
-    (an architecture without the usual config fields) trains unchecked, its auto choices the memory-saving ones."""
+def memory_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
+    """Checkpointing, micro-batch and mesh decided where `auto` (app/plan/memory_choices.py); a one-line error when
+    the plan does not fit the worker's memory. A model the planner cannot read (an architecture without the usual
+    config fields) trains unchecked, its `auto` values the memory-saving ones."""
     budget = worker_memory_budget(cfg)
     try:
         choices = resolve_memory_choices(cfg, *budget)
@@ -60,25 +61,21 @@ def with_memory_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, 
     except (AttributeError, KeyError, ValueError) as e:
         warn(f"the memory plan of {cfg.model.path} could not be made ({type(e).__name__}: {first_line(e, 200)}); "
              "the run is not checked against the workers' memory")
-        cfg, reasons = memory_saving_choices(cfg)
-    else:
-        cfg, reasons = choices.fitting().cfg, choices.reasons
-    for key, why in reasons.items():
-        print(f"auto: {key}={why}", flush=True)
-    return cfg, reasons
+        return memory_saving_decisions(cfg)
+    return choices.fitting()
 
 
-def memory_saving_choices(cfg: FinetuneConfig) -> tuple[FinetuneConfig, dict[str, str]]:
-    """Without a plan: checkpointing on every layer, micro-batches of one and parameters sharded over every worker,
-    where they are auto."""
-    model, train, scaling, reasons = cfg.model, cfg.train, cfg.scaling, {}
-    if model.gradient_checkpointing == "auto":
-        model = model.model_copy(update={"gradient_checkpointing": True, "checkpoint_every_n_layers": 1})
-        reasons["model.gradient_checkpointing"] = "true (no memory plan: the memory-saving choice)"
-    if train.micro_batch_size == "auto":
-        train = train.model_copy(update={"micro_batch_size": 1})
-        reasons["train.micro_batch_size"] = "1 (no memory plan: the memory-saving choice)"
-    if scaling.mesh == "auto":
-        scaling = scaling.model_copy(update={"mesh": None})
-        reasons["scaling.mesh"] = "null (no memory plan: sharded over every worker, the memory-saving choice)"
-    return cfg.model_copy(update={"model": model, "train": train, "scaling": scaling}), reasons
+def memory_saving_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
+    """Without a memory plan: checkpointing on every layer, micro-batches of one and parameters sharded over every
+    worker, where they are auto."""
+    why = "(no memory plan: the memory-saving choice)"
+    decided = []
+    if cfg.model.gradient_checkpointing == "auto":
+        decided += [Decision("model.gradient_checkpointing", True, f"true {why}"),
+                    Decision("model.checkpoint_every_n_layers", 1)]
+    if cfg.train.micro_batch_size == "auto":
+        decided.append(Decision("train.micro_batch_size", 1, f"1 {why}"))
+    if cfg.scaling.mesh == "auto":
+        decided.append(Decision("scaling.mesh", None, "null (no memory plan: sharded over every worker, the "
+                                                      "memory-saving choice)"))
+    return tuple(decided)

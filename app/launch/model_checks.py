@@ -20,10 +20,11 @@ from app.launch.inputs import CheckedInputs, CheckedSources
 from app.model.adapter import ADAPTER_WEIGHTS, read_adapter_weights
 from app.model.base import build_meta_base_model, check_lora_targets, load_tokenizer
 from app.model.init_adapter import check_init_adapter
-from app.model.packing_probe import packing_problem
 from app.model.quantization import quantization_problem
 from app.model.sharding import decoder_layers
-from app.model.slices import slice_loading_problem
+from app.plan.loading import loading_decision
+from app.plan.packing_probe import packing_problem
+from app.plan.plan import Plan
 from app.tracking.adapters import Base, adapter_folder, base_of
 from app.tracking.mlflow_run import fluent_tracking_uri
 from app.train import rewards, task_metrics
@@ -31,16 +32,15 @@ from app.train.progress import StartupClock
 from app.train.rollouts import as_answers, reward_columns
 
 
-def prepare_model(cfg: FinetuneConfig, sources: CheckedSources,
-                  startup: StartupClock) -> tuple[FinetuneConfig, CheckedInputs]:
+def model_stack_checked(plan: Plan, sources: CheckedSources, startup: StartupClock) -> tuple[Plan, CheckedInputs]:
     """While Ray starts (mostly Ray's own processes; this is the model stack's imports and the checks that
-    load it); returns the config as the workers will read it, and every input."""
-    inputs = check_model_inputs(cfg, sources)
+    load it): the plan with how the model loads decided (app/plan/model_source.py), and every input."""
+    inputs = checked_inputs(plan.cfg, sources)
     startup.reached("inputs_checked")
-    return with_loadable_model(cfg), inputs
+    return plan.decided(*loading_decision(plan.cfg)), inputs
 
 
-def check_model_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInputs:
+def checked_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInputs:
     """What loads the model stack: the tokenizer and its chat template, the LoRA targets, NF4 shapes, packing,
     task metrics, model.init_adapter; with the sources, everything the workers are handed."""
     try:
@@ -123,21 +123,10 @@ def check_nf4_shapes(cfg: FinetuneConfig) -> None:
 
 def check_packing(model: ModelSection) -> None:
     """Packed rows must train each record as if it were alone: a tiny random copy of the model's architecture
-    shows whether (and how) they do (app/model/packing_probe.py); where nothing keeps records apart, packing
+    shows whether (and how) they do (app/plan/packing_probe.py); where nothing keeps records apart, packing
     is refused here, before any worker starts."""
     config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
     problem = packing_problem(config, model.attn_implementation, model.trust_remote_code)
     if problem:
         raise UserInputError(problem)
 
-
-def with_loadable_model(cfg: FinetuneConfig) -> FinetuneConfig:
-    """`model.load: sharded` reads each rank's slices of the checkpoint; where transformers must convert
-    tensors to build a parameter (fused experts, ...), load the model whole instead, and say so."""
-    if cfg.model.load != "sharded":
-        return cfg
-    problem = slice_loading_problem(cfg.model)
-    if problem is None:
-        return cfg
-    warn(f"model.load=sharded: {problem}; every worker loads the whole model instead (model.load=full)")
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"load": "full"})})

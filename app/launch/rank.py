@@ -18,12 +18,12 @@ from app.config.schema import FinetuneConfig
 from app.data.coordinator import DataNotBuilt, batches_of
 from app.data.stream import column_batches
 from app.errors import first_line, warn
-from app.launch import faults
+from app.launch import worker_hooks
 from app.launch.job import TrialLink, WorkerLaunch
 from app.launch.rollout_group import RayRollouts, local_scorer, ray_scorer
 from app.train.checkpoint import TrainerState
+from app.train.group import RankContext
 from app.train.progress import StartupClock
-from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe, NoTracking
 
 # Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
@@ -59,7 +59,7 @@ class RayCheckpoints:
     def save(self, write, metrics: dict[str, float]) -> None:
         with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as directory:
             write(Path(directory))
-            faults.maybe_die_mid_save(metrics["step"], self.is_last_rank)
+            worker_hooks.checkpoint_written(metrics["step"], self.is_last_rank)
             if self.before_report is not None:
                 self.before_report()
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
@@ -92,14 +92,15 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
     """This rank's part of the run: its device and group, its passes over the data and the eval rows, rank 0's
     MLflow logger and system metrics, then the recipe. Data the driver could not build ends it quietly (the
     driver reports the reason in one line)."""
-    cfg = launch.config
+    plan = launch.plan
+    cfg = plan.cfg  # until the recipe has decided what the workers measure: the same but dtypes and compile
     context = ray.train.get_context()
     ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
     eval_rows: list[dict] = []  # every rank holds the whole eval set (evaluation deals it out), read once
 
     def train_pass(pass_index: int):
         [rows] = ray.get(launch.passes.rank_rows.remote(pass_index, ctx.rank, ctx.world_size))
-        return batches_of(ray.get(rows), cfg.rows_per_batch(ctx.world_size))
+        return batches_of(ray.get(rows), plan.rows_per_batch(ctx.world_size))
 
     def eval_pass():
         if not eval_rows:
@@ -126,10 +127,10 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
         checkpoints = RayCheckpoints(ctx.rank, ctx.world_size, launch.trial,
                                      # a sweep may stop a trial at any report: what it logged is sent first
                                      tracker.flush if launch.trial and ctx.is_main else None)
-        FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, checkpoints,
+        FinetuneRecipe(plan, ctx, train_pass, eval_pass, tracker, checkpoints,
                        cfg.run_dir, launch.job_start_time, launch.source_names,
                        ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
-                       pace=faults.step_pacing(), rollouts=rollouts, scorer=scorer).train()
+                       pace=worker_hooks.step_pacing(), rollouts=rollouts, scorer=scorer).train()
     except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
         return
     finally:

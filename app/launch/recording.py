@@ -18,6 +18,7 @@ from app.evaluation.harness import Evaluation, scores, task_metadata
 from app.launch.evaluation import evaluate_where_it_fits
 from app.launch.inputs import CheckedInputs
 from app.launch.summary import best_tags
+from app.plan.plan import Plan
 from app.tracking import mlflow_run
 from app.tracking.evaluations import Evaluated, record_scores
 from app.tracking.registry import log_adapter_model
@@ -48,18 +49,19 @@ def source_keys_tag(cfg: FinetuneConfig) -> str | None:
     return "; ".join(f"{source_key(name)}: {name}" for name in names)
 
 
-def open_mlflow_run(cfg: FinetuneConfig, inputs: CheckedInputs, run_to_continue: str | None,
-                    auto_choices: dict[str, str]) -> str:
-    """A new MLflow run (recorded in the run directory), or the resumed one reopened; `auto_choices` (config key
-    -> what `auto` resolved to and why) become `auto.<key>` tags (a resumed run's may differ: tags, not params)."""
-    tags = run_tags(cfg, inputs) | {f"auto.{key}": why for key, why in auto_choices.items()}
+def open_mlflow_run(plan: Plan, inputs: CheckedInputs, run_to_continue: str | None) -> str:
+    """A new MLflow run (recorded in the run directory) with the plan's config as params and both configs as
+    artifacts, or the resumed one reopened; the plan's reasons (what each decided value is and why) become
+    `plan.<key>` tags (a resumed run's may differ: tags, not params)."""
+    cfg = plan.cfg
+    tags = run_tags(cfg, inputs) | {f"plan.{key}": why for key, why in plan.reasons.items()}
     if run_to_continue is not None:
         mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, tags, cfg.model.revision)
         return run_to_continue
     datasets = [("train", source, digest) for source, digest in zip(inputs.train, inputs.train_digests)]
     datasets += [("eval", inputs.eval, inputs.eval_digest)] if inputs.eval else []
     run_id = mlflow_run.start_run(cfg, tags, {"data.train_rows": sum(inputs.train_rows),
-                                              "data.eval_rows": inputs.eval_rows}, datasets)
+                                              "data.eval_rows": inputs.eval_rows}, datasets, plan.requested)
     cfg.run_dir.write_record(run_id, inputs.train_digests)
     return run_id
 

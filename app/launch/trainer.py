@@ -12,7 +12,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from app.data.passes import source_names
-from app.launch import console, faults
+from app.launch import console, worker_hooks
 from app.launch.background import raise_failure
 from app.launch.job import Job
 from app.launch.worker import WorkerLaunch, train_worker
@@ -22,13 +22,13 @@ from app.train import host_memory
 
 def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
     """The worker group of the run: each worker runs app/launch/worker.py's `train_worker` with a WorkerLaunch
-    (the config, the MLflow run, the pass coordinator, the starting adapter's weights through the object
+    (the run's plan, the MLflow run, the pass coordinator, the starting adapter's weights through the object
     store, GRPO's rollout actors, and the MLflow credentials, which travel with the function, never in an
     environment)."""
     cfg, inputs = job.cfg, job.inputs
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(cfg, job.run_id, job.startup.job_start_time, passes,
+    launch = WorkerLaunch(job.plan, job.run_id, job.startup.job_start_time, passes,
                           source_names([s.location for s in inputs.train]), credentials,
                           ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts),
                           job.trial)
@@ -45,7 +45,7 @@ def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
             callbacks=[TrialReports(job.trial.reports)] if job.trial else None,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            worker_runtime_env={"env_vars": console.worker_env(job.verbose) | faults.forwarded() |
+            worker_runtime_env={"env_vars": console.worker_env(job.verbose) | worker_hooks.forwarded() |
                                 host_memory.worker_env(cfg.scaling.use_gpu, cfg.scaling.cpus_per_worker)},
             logging_config=LoggingConfig(log_level="INFO" if job.verbose else "WARNING")),
         torch_config=TorchConfig(backend=process_group_backend(cfg.scaling.use_gpu, cfg.fsdp.cpu_offload)),

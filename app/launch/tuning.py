@@ -72,12 +72,10 @@ def trial_config(sweep: Sweep, values: dict, trial_id: str) -> FinetuneConfig:
     at the same steps (every report ranks it, every checkpoint can be copied), the adapter in each checkpoint
     (a trial stopped at any report keeps its adapter of that step)."""
     cfg = with_values(sweep.cfg, values)
-    train = cfg.train
-    return cfg.model_copy(update={
-        "train": train.model_copy(update={"run_name": f"{sweep.name}-{trial_id}", "checkpoint_adapter": True,
-                                          "checkpoint_every": train.eval_every,
-                                          "keep_checkpoints": max(train.keep_checkpoints, 2)}),
-        "mlflow": cfg.mlflow.model_copy(update={"sweep": sweep.name, "parent_run_id": sweep.parent_run_id})})
+    return cfg.with_set({"train.run_name": f"{sweep.name}-{trial_id}", "train.checkpoint_adapter": True,
+                         "train.checkpoint_every": cfg.train.eval_every,
+                         "train.keep_checkpoints": max(cfg.train.keep_checkpoints, 2),
+                         "mlflow.sweep": sweep.name, "mlflow.parent_run_id": sweep.parent_run_id})
 
 
 def search_space(cfg: FinetuneConfig) -> dict:

@@ -9,12 +9,14 @@ processes (app/launch/rank.py).
 from __future__ import annotations
 
 from app.launch.job import WorkerLaunch
+from app.logs import quiet_import_noise
 from app.train.progress import StartupClock
 
 
 def train_worker(launch: WorkerLaunch) -> None:
     startup = StartupClock(launch.job_start_time, memory=True)
     startup.reached("train_fn_started")  # Ray Train's part of the start ends here; the training stack loads next
+    quiet_import_noise()  # before the training stack imports torchao
     from app.launch.rank import train_rank  # start-up: the training stack loads in the worker, never the driver
 
     train_rank(launch, startup)

@@ -25,20 +25,23 @@ if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a b
     from app.config.sections import LoraSection, ModelSection
 
 
-def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu", reference: bool = False):
-    """The whole base in memory, wrapped in LoRA with the seed's starting weights; not sharded."""
+def build_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, device="cpu", reference: bool = False,
+                     checkpointed: bool = True):
+    """The whole base in memory, wrapped in LoRA with the seed's starting weights; not sharded. Activation
+    checkpointing as model_cfg says (auto: decided by the driver, app/plan/memory_choices.py), unless not
+    `checkpointed` (a model that only runs forward)."""
     model = apply_lora(load_base_model(model_cfg, device), lora_cfg, seed, reference)
     init_lora_weights(model, seed, rows_of_loaded_model(model))
-    if model_cfg.gradient_checkpointing is True:  # auto: resolved by the driver (app/model/memory_choices.py)
+    if checkpointed and model_cfg.gradient_checkpointing is True:
         enable_activation_checkpointing(model, model_cfg.checkpoint_every_n_layers)
     return model
 
 
 def build_meta_lora_model(model_cfg: ModelSection, lora_cfg: LoraSection, seed: int, config_file: str | None = None,
-                          reference: bool = False):
+                          reference: bool = False, checkpointed: bool = True):
     """The LoRA model without weights (meta device): its shapes and names, for checks, plans and slice loading."""
     model = apply_lora(build_meta_base_model(model_cfg, config_file), lora_cfg, seed, reference)
-    if model_cfg.gradient_checkpointing is True:
+    if checkpointed and model_cfg.gradient_checkpointing is True:
         enable_activation_checkpointing(model, model_cfg.checkpoint_every_n_layers)
     return model
 

@@ -8,19 +8,15 @@ model (docs/performance.md). `auto` in model.dtype and fsdp.param_dtype resolves
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from app.config.schema import FinetuneConfig
 
 CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" in an aarch64 Features line
 
 
 def torch_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """A config dtype name as a torch dtype; `auto` resolved for the hardware of `device`. (The job
-    resolves `auto` once for all ranks before it builds anything: `with_dtypes_resolved`.)"""
+    """A config dtype name as a torch dtype; `auto` resolved for the hardware of `device`. (A run's workers
+    decide `auto` once, all ranks agreeing, before they build anything: app/train/measured.py.)"""
     device = torch.device(device)
     return getattr(torch, resolve_dtype(name, has_fast_bf16(device) if name == "auto" else False))
 
@@ -50,10 +46,3 @@ def resolve_dtype(name: str, fast_bf16: bool) -> str:
         return name
     return "bfloat16" if fast_bf16 else "float32"
 
-
-def with_dtypes_resolved(cfg: FinetuneConfig, fast_bf16: bool) -> FinetuneConfig:
-    """The config with its `auto` dtypes made concrete for hardware that does (or does not) compute bf16
-    natively: what every rank agrees on before it builds anything."""
-    return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"dtype": resolve_dtype(cfg.model.dtype, fast_bf16)}),
-        "fsdp": cfg.fsdp.model_copy(update={"param_dtype": resolve_dtype(cfg.fsdp.param_dtype, fast_bf16)})})

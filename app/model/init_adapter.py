@@ -73,5 +73,5 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
 
 def expected_shapes(model_cfg, lora_cfg) -> dict[str, tuple[int, ...]]:
     """Saved key -> shape of every weight this run's adapter has, from a weightless (meta) copy of the model."""
-    model = build_meta_lora_model(model_cfg.model_copy(update={"gradient_checkpointing": False}), lora_cfg, seed=0)
+    model = build_meta_lora_model(model_cfg, lora_cfg, seed=0, checkpointed=False)
     return {key: tuple(model.get_parameter(name).shape) for key, name in saved_keys(model, "default").items()}

@@ -57,7 +57,7 @@ def quantize_nf4(weight: torch.Tensor, shards: int) -> torch.Tensor:
     size = scaler_block_size(weight.shape, shards)
     if size is None:
         raise ValueError(f"a {tuple(weight.shape)} weight cannot be stored as NF4 split {shards} ways")
-    from torchao.quantization import to_nf4  # its import-time log lines: app/__init__.py
+    from torchao.quantization import to_nf4  # its import-time log lines: app/logs.py
 
     return to_nf4(weight.contiguous(), NF4_BLOCK, size)
 

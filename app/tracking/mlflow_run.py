@@ -61,10 +61,10 @@ def get_or_create_experiment(client: MlflowClient, name: str) -> str:
 
 
 def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: dict[str, object],
-              datasets: list[tuple[str, DataSource, str]] = ()) -> str:
-    """Create the job's run with the resolved config as params and as an artifact, and the data as
-    dataset inputs ((context, source, digest) each); a sweep's run is tagged with the sweep and nested under
-    its parent run."""
+              datasets: list[tuple[str, DataSource, str]] = (), requested: FinetuneConfig | None = None) -> str:
+    """Create the job's run with the resolved config as params and as an artifact (beside it the config as
+    `requested`, `auto` and all, where given), and the data as dataset inputs ((context, source, digest) each);
+    a sweep's run is tagged with the sweep and nested under its parent run."""
     bound_http_calls()
     if cfg.output.is_local:
         Path(cfg.output.root).mkdir(parents=True, exist_ok=True)  # the local MLflow store lives there
@@ -77,6 +77,8 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
     client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
+    if requested is not None:
+        client.log_text(run.info.run_id, requested.to_yaml(), "config/requested.yaml")
     inputs = [dataset_input(source, context, digest) for context, source, digest in datasets]
     if inputs:
         client.log_inputs(run.info.run_id, datasets=inputs)

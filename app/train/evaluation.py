@@ -13,9 +13,9 @@ import torch.distributed as dist
 from app.config.objectives import LOWER_IS_BETTER
 from app.data.chat import IGNORE_INDEX
 from app.data.stream import to_device
+from app.train.group import RankContext
 from app.train.host_memory import release_free_host_memory
 from app.train.loss import summed_token_loss, target_token_count
-from app.train.ranks import RankContext
 
 
 def evaluate_loss(model, eval_pass: Callable[[], Iterable], ctx: RankContext, chunk_tokens: int = 0) -> float:

@@ -25,9 +25,9 @@ from app.data.chat import IGNORE_INDEX
 from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pairs, scaled_micro_batch_dpo_loss
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
 from app.train.generation import generation_table
+from app.train.group import RankContext
 from app.train.grpo import METRIC_SUMS, figures_from_sums, metric_sums, normaliser_count, summed_loss, token_terms
 from app.train.loss import global_target_tokens, sampled_token_logps, scaled_micro_batch_loss
-from app.train.ranks import RankContext
 from app.train.reward_eval import evaluate_rewards
 from app.train.rollouts import Scorer
 from app.train.task_metrics import row_scores

@@ -28,13 +28,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from app.config.schema import FinetuneConfig
 from app.data.passes import source_key
 from app.data.stream import RankPass, RankStream
 from app.model.base import load_tokenizer
 from app.model.build import build_training_model
-from app.model.hardware import has_fast_bf16, with_dtypes_resolved
 from app.model.sharding import build_device_mesh, full_grad_norm, trainable_parameters
+from app.plan.plan import Plan
 from app.runs.layout import RunDir
 from app.train.checkpoint import (
     TrainerState,
@@ -45,14 +44,14 @@ from app.train.checkpoint import (
     save_adapter,
     save_training_state,
 )
-from app.train.compile_setup import with_compile_resolved
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
+from app.train.group import RankContext, max_over_ranks
+from app.train.measured import measured_on_workers, measured_params
 from app.train.objectives import objective_for
 from app.train.optimizer import build_optimizer, follow_config
 from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
-from app.train.ranks import RankContext, max_over_ranks, on_every_rank
 from app.train.rollouts import Rollouts, RolloutStream, Scorer
 
 
@@ -99,14 +98,15 @@ class FinetuneRecipe:
     start-up clock the worker began (its points before this recipe existed), else one from now on.
     """
 
-    def __init__(self, cfg: FinetuneConfig, ctx: RankContext, train_pass: RankPass,
+    def __init__(self, plan: Plan, ctx: RankContext, train_pass: RankPass,
                  eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
                  checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
                  job_start_time: float | None = None, source_names: tuple[str, ...] = (),
                  init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None,
                  pace: Callable[[int], None] | None = None, rollouts: Rollouts | None = None,
                  scorer: Scorer | None = None):
-        self.cfg, self.ctx, self.train_pass, self.eval_pass = cfg, ctx, train_pass, eval_pass
+        self.plan, self.ctx, self.train_pass, self.eval_pass = plan, ctx, train_pass, eval_pass
+        self.cfg = cfg = plan.cfg  # what the workers measure is decided in build_model()
         self.tracker = tracker or NoTracking()
         self.checkpoints, self.run_dir = checkpoints, run_dir
         self.job_start_time = job_start_time or time.time()
@@ -119,7 +119,7 @@ class FinetuneRecipe:
         self.rollouts, self.scorer = rollouts, scorer  # GRPO's rollout side and reward scorer
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
         self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
-        self.pace = pace  # the resilience tests' slower steps (app/launch/faults.py); None in every real run
+        self.pace = pace  # a hook's slower steps (app/launch/worker_hooks.py: the resilience tests'); else None
         self.notice = DrainNotice()
         self.loop_seconds = self.save_seconds = 0.0  # the last step's (all of it) and checkpoint's, for a drain
         self.last_drain_check = time.perf_counter()
@@ -170,12 +170,9 @@ class FinetuneRecipe:
         """`auto` dtypes and compile agreed by every rank, the tokenizer, the FSDP2-sharded LoRA model (its adapter
         from the seed or model.init_adapter), AdamW over the LoRA weights and the LR schedule."""
         ctx = self.ctx
-        cfg = with_dtypes_resolved(self.cfg, on_every_rank(has_fast_bf16(ctx.device), ctx))
-        cfg, compile_figures, compile_why = with_compile_resolved(cfg, ctx)
-        self.cfg = cfg
-        self.tracker.log_params({"resolved.model.dtype": cfg.model.dtype, "resolved.model.compile": cfg.model.compile,
-                                 "resolved.fsdp.param_dtype": cfg.fsdp.param_dtype}
-                                | ({"auto.model.compile": compile_why.split("; ")[0]} if compile_why else {}))
+        self.plan, compile_figures = measured_on_workers(self.plan, ctx)
+        cfg = self.cfg = self.plan.cfg
+        self.tracker.log_params(measured_params(self.plan))
         if compile_figures:
             self.tracker.log_metrics(compile_figures, step=0, once_per_step=False)
         torch.manual_seed(cfg.train.seed)
@@ -264,7 +261,7 @@ class FinetuneRecipe:
         accumulation split takes the same step. Gradients are reduce-scattered once, after the last micro-batch.
         """
         ctx, objective, t0 = self.ctx, self.objective, time.perf_counter()
-        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps_on(ctx.world_size))]
+        micro_batches = [next(self.batches) for _ in range(self.plan.grad_accum_steps_on(ctx.world_size))]
         data_wait = time.perf_counter() - t0
         normaliser = objective.normaliser(micro_batches)
         sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics

@@ -20,7 +20,6 @@ from app.data.chat import pad_id
 from app.model.adapter import load_adapter_weights
 from app.model.base import load_tokenizer
 from app.model.build import build_lora_model
-from app.model.hardware import has_fast_bf16, with_dtypes_resolved
 from app.train.generation import end_token_ids
 
 if TYPE_CHECKING:
@@ -90,9 +89,7 @@ def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
     """The policy as a sampler: the whole base on `device` (its `auto` dtype resolved for that device), the LoRA
     adapter from the seed or from model.init_adapter's weights, until the trainer sends its own."""
     device = torch.device(device)
-    cfg = with_dtypes_resolved(cfg, has_fast_bf16(device))
-    model_cfg = cfg.model.model_copy(update={"gradient_checkpointing": False})
-    model = build_lora_model(model_cfg, cfg.lora, cfg.train.seed, device)
+    model = build_lora_model(cfg.model, cfg.lora, cfg.train.seed, device, checkpointed=False)  # auto dtype: device's
     if init_adapter is not None:
         load_adapter_weights(model, init_adapter)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)

@@ -15,11 +15,11 @@ from app.data.chat import IGNORE_INDEX
 from app.data.coordinator import DataNotBuilt, batches_of, load_passes, start_pass_coordinator
 from app.data.passes import pass_order, take_rows
 from app.data.pipeline import build_eval_rows, build_train_data, is_held_out
-from app.data.sources import check_source, resolve_source
+from app.data.sources import checked_records, resolve_source
 from app.data.stream import RankStream
 from app.errors import UserInputError
 from app.model.base import load_tokenizer
-from app.model.embedded import number_in_words
+from jobs.embedded import number_in_words
 from tests.helpers import chat, make_config, write_jsonl
 
 
@@ -49,8 +49,8 @@ def _train_data(cfg, *paths, eval_fraction=None, tokenizer=None):
     from app.model.base import load_tokenizer
 
     sources = [resolve_source(str(p)) for p in paths]
-    return build_train_data(sources, [check_source(s, "auto") for s in sources], tokenizer or load_tokenizer(cfg.model),
-                            cfg.model, cfg.data, cfg.train.seed, eval_fraction)
+    return build_train_data(sources, [checked_records(s, "auto") for s in sources],
+                            tokenizer or load_tokenizer(cfg.model), cfg.model, cfg.data, cfg.train.seed, eval_fraction)
 
 
 def test_jsonl_json_array_parquet_and_save_to_disk_give_identical_rows(ray_cluster, embedded, records, tmp_path):

@@ -87,7 +87,7 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     version = client.get_model_version("reference-adapter", summary["version"])
     assert float(version.tags["lm_eval/embedded_spelling_choice/acc"]) == pytest.approx(acc, rel=1e-5)
     # the config's `auto` checkpointing resolved before launch: the value, and why, on the run
-    chosen = run.data.tags["auto.model.gradient_checkpointing"].startswith("true")
+    chosen = run.data.tags["plan.model.gradient_checkpointing"].startswith("true")
     assert run.data.params["model.gradient_checkpointing"] == str(chosen)
     resolved = client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))
     trained = cfg.model_copy(update={"model": cfg.model.model_copy(update={"gradient_checkpointing": chosen})})

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from ray._private import ray_constants
 
 from app.launch.driver import run_finetune
-from app.launch.faults import DIE_IN_CHECKPOINT
+from tests.faults import DIE_IN_CHECKPOINT, inject
 from tests.helpers import SHORT_RUN, make_config
 
 pytestmark = pytest.mark.e2e
@@ -72,7 +72,7 @@ def test_a_crash_mid_save_and_a_killed_worker_both_resume_and_the_run_finishes_w
     a worker SIGKILLed later on. Every step is logged once, the restarted workers carry on trained, and
     the run ends like an uninterrupted one. Only this session's own worker processes are killed."""
     marker = tmp_path / "fault-fired"
-    monkeypatch.setenv(DIE_IN_CHECKPOINT, f"12:{marker}")  # the last rank dies mid-save at step 12, once
+    inject(monkeypatch, DIE_IN_CHECKPOINT, f"12:{marker}")  # the last rank dies mid-save at step 12, once
     cfg = make_config(tmp_path, embedded, *SHORT_RUN, "train.max_failures=2", "train.run_name=killed")
     seen = {}
     # steps past 12 are first logged after the restart from checkpoint 6 (a restarted attempt does not log

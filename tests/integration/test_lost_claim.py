@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from app.errors import UserInputError
 from app.launch.driver import run_finetune
 from app.runs.claim import this_process
+from tests.faults import STEP_SECONDS, inject
 from tests.helpers import NO_DECODING, make_config
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.e2e
 def test_a_job_that_loses_its_claim_stops_and_leaves_the_run_to_the_new_owner(ray_cluster, embedded, tmp_path,
                                                                                monkeypatch):
     monkeypatch.setattr("app.runs.claim.LEASE_SECONDS", 2.0)  # renewed (and checked) every 0.2 s
-    monkeypatch.setenv("FINETUNE_FAULT_STEP_SECONDS", "0.5")  # a run long enough to lose its claim in
+    inject(monkeypatch, STEP_SECONDS, "0.5")  # a run long enough to lose its claim in
     cfg = make_config(tmp_path, embedded, "train.max_steps=40", "train.checkpoint_every=2", "train.eval_every=40",
                       "train.run_name=taken", *NO_DECODING)
     run_dir = Path(cfg.run_dir.root)

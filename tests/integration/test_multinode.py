@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from tests.faults import STEP_SECONDS, fault_env
 from tests.helpers import FP32, NO_DECODING, REPO, free_port, job_command, make_config
 
 pytestmark = pytest.mark.e2e
@@ -125,7 +126,7 @@ def test_a_run_outlives_a_preempted_node_and_a_lost_one_and_grows_back(cluster, 
     with log.open("w") as stderr, out.open("w") as stdout:
         job = subprocess.Popen(
             job_command(embedded, cfg.train.output_dir, *RUN, *ELASTIC, "train.run_name=elastic"), cwd=REPO,
-            env=_job_env(cluster, FINETUNE_FAULT_STEP_SECONDS=f"{STEP_PACE_S}:{unpaced}"), stdout=stdout,
+            env=_job_env(cluster, **fault_env(STEP_SECONDS, f"{STEP_PACE_S}:{unpaced}")), stdout=stdout,
             stderr=stderr)
     history = RunHistory(cfg)
     try:

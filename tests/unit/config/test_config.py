@@ -5,7 +5,8 @@ import pytest
 
 from app.config.loading import load_config
 from app.errors import UserInputError
-from app.model.hardware import with_dtypes_resolved
+from app.plan.dtypes import dtype_decisions
+from app.plan.plan import Plan
 from tests.helpers import EMBEDDED_CONFIG
 
 
@@ -14,7 +15,7 @@ def test_yaml_and_dotted_overrides_are_typed_and_validated():
                                         "scaling.use_gpu=false", "mlflow.experiment=x"])
     assert (cfg.lora.r, cfg.train.max_steps, cfg.lora.target_modules) == (4, 7, ["q_proj", "v_proj"])
     assert cfg.lora.alpha == 32  # untouched keys keep the file's values
-    assert cfg.grad_accum_steps == 1
+    assert Plan(cfg).grad_accum_steps == 1
 
 
 def test_relative_paths_become_absolute_and_tracking_defaults_to_a_local_store(tmp_path, monkeypatch):
@@ -34,17 +35,14 @@ def test_workers_receive_the_same_config():
 def test_gradient_accumulation_keeps_the_global_batch():
     one = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4", "scaling.num_workers=1"])
     two = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4", "scaling.num_workers=2"])
-    assert (one.grad_accum_steps, two.grad_accum_steps) == (4, 2)
-    auto = load_config(None, ["train.micro_batch_size=auto"])
-    with pytest.raises(UserInputError, match=r"^train.micro_batch_size=auto: .*jobs.plan"):
-        auto.grad_accum_steps  # noqa: B018 (the property is what is tested)
+    assert (Plan(one).grad_accum_steps, Plan(two).grad_accum_steps) == (4, 2)
 
 
 def test_an_elastic_run_keeps_its_global_batch_on_every_worker_count_it_may_shrink_to():
     cfg = load_config(None, ["train.global_batch_size=24", "train.micro_batch_size=2", "scaling.num_workers=4",
                              "scaling.min_workers=2"])
     assert cfg.scaling.elastic and list(cfg.scaling.worker_counts) == [2, 3, 4]
-    assert [cfg.grad_accum_steps_on(workers) for workers in cfg.scaling.worker_counts] == [6, 4, 3]
+    assert [Plan(cfg).grad_accum_steps_on(workers) for workers in cfg.scaling.worker_counts] == [6, 4, 3]
     with pytest.raises(UserInputError, match=r"multiple of train.micro_batch_size x 3 workers = 6 \(an elastic "
                                              r"group may shrink to scaling.min_workers=3\); change one of them$"):
         load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=2", "scaling.num_workers=4",
@@ -121,8 +119,8 @@ def test_fp16_compute_without_loss_scaling_is_refused_and_auto_resolves_by_hardw
         load_config(EMBEDDED_CONFIG, ["fsdp.param_dtype=float16"])
     cfg = load_config(EMBEDDED_CONFIG)
     assert (cfg.model.dtype, cfg.fsdp.param_dtype) == ("auto", "auto")
-    assert with_dtypes_resolved(cfg, fast_bf16=True).fsdp.param_dtype == "bfloat16"
-    assert with_dtypes_resolved(cfg, fast_bf16=False).model.dtype == "float32"
+    assert Plan(cfg).decided(*dtype_decisions(cfg, fast_bf16=True)).cfg.fsdp.param_dtype == "bfloat16"
+    assert Plan(cfg).decided(*dtype_decisions(cfg, fast_bf16=False)).cfg.model.dtype == "float32"
 
 
 def test_a_chat_template_file_travels_as_its_text(tmp_path):

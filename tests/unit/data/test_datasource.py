@@ -6,13 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.sources import check_source, resolve_source
+from app.data.sources import checked_records, resolve_source
 from app.errors import UserInputError
 from tests.helpers import chat, write_jsonl
 
 
 def _check(path, fmt="auto"):
-    return check_source(resolve_source(str(path)), fmt)
+    return checked_records(resolve_source(str(path)), fmt)
 
 
 def test_counts_valid_records_of_every_local_kind(tmp_path):
@@ -85,15 +85,15 @@ def test_a_file_that_is_not_utf8_is_named_by_line(tmp_path):
 def test_a_remote_source_is_checked_on_a_sample_before_the_cluster_starts(tmp_path):
     """file:// stands in for s3:// and gs://: the same pyarrow filesystem calls read it."""
     good = write_jsonl(tmp_path / "good.jsonl", [chat("q", "a")] * 3)
-    assert check_source(resolve_source(good.as_uri()), "auto") == -1  # fine; counted when Ray Data reads it
+    assert checked_records(resolve_source(good.as_uri()), "auto") == -1  # fine; counted when Ray Data reads it
     bad = write_jsonl(tmp_path / "bad.jsonl", [chat("q", "a"), {"question": "q"}])
     with pytest.raises(UserInputError, match=r"file://.*bad.jsonl:2: record needs fields"):
-        check_source(resolve_source(bad.as_uri()), "auto")
+        checked_records(resolve_source(bad.as_uri()), "auto")
     pq.write_table(pa.table({"question": ["q"]}), tmp_path / "remote.parquet")
     with pytest.raises(UserInputError, match=r"remote.parquet: columns \['question'\] lack the fields"):
-        check_source(resolve_source((tmp_path / "remote.parquet").as_uri()), "auto")
+        checked_records(resolve_source((tmp_path / "remote.parquet").as_uri()), "auto")
     with pytest.raises(UserInputError, match=r"data.train_path=file://.*missing.jsonl: cannot read it"):
-        check_source(resolve_source((tmp_path / "missing.jsonl").as_uri()), "auto")
+        checked_records(resolve_source((tmp_path / "missing.jsonl").as_uri()), "auto")
 
 
 def test_a_line_over_the_record_limit_is_named(tmp_path, monkeypatch):

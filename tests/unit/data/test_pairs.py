@@ -102,14 +102,14 @@ def test_without_a_chat_template_the_plain_template_bos_and_eos_are_used(tokeniz
 
 
 def test_data_format_preference_routes_every_source_check_and_the_tokenizing_to_pairs(tokenizer, tmp_path):
-    """What the pipeline calls for any source (formatting.tokenize_rows, sources.check_source) reads pairs when
+    """What the pipeline calls for any source (formatting.tokenize_rows, sources.checked_records) reads pairs when
     data.format=preference: a JSONL of pairs counts its records, a bad one is named by file and line, and a
     Parquet file needs chosen and rejected columns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from app.data.formatting import detect_format, tokenize_rows
-    from app.data.sources import check_source, resolve_source
+    from app.data.sources import checked_records, resolve_source
     from app.errors import UserInputError
 
     rows = tokenize_rows([PAIR, {"prompt": "x"}], tokenizer, "preference", 32)
@@ -119,14 +119,14 @@ def test_data_format_preference_routes_every_source_check_and_the_tokenizing_to_
     assert detect_format(PAIR, "preference") == "preference"
     good = tmp_path / "pairs.jsonl"
     good.write_text("".join(f'{{"prompt": "p{i}", "chosen": "a", "rejected": "b"}}\n' for i in range(3)))
-    assert check_source(resolve_source(str(good), "data.train_path"), "preference") == 3
+    assert checked_records(resolve_source(str(good), "data.train_path"), "preference") == 3
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"}\n')
     with pytest.raises(UserInputError, match=r"bad.jsonl:2: a preference record needs .*'rejected' is missing"):
-        check_source(resolve_source(str(bad), "data.train_path"), "preference")
+        checked_records(resolve_source(str(bad), "data.train_path"), "preference")
     pq.write_table(pa.table({"prompt": ["p"], "completion": ["c"]}), tmp_path / "sft.parquet")
     with pytest.raises(UserInputError, match=r"lack the fields chosen\+rejected"):
-        check_source(resolve_source(str(tmp_path / "sft.parquet"), "data.train_path"), "preference")
+        checked_records(resolve_source(str(tmp_path / "sft.parquet"), "data.train_path"), "preference")
 
 
 def test_a_stand_in_pair_trains_and_counts_nothing():

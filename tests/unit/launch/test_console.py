@@ -21,3 +21,10 @@ def test_a_warning_ray_repeats_on_every_poll_is_printed_once_per_job():
     printed = [kept for _ in range(5) for kept in lines([CLEANER])[1]]
     assert printed == [CLEANER]
     assert lines(["a real error"])[1] == ["a real error"]
+
+
+def test_torchaos_import_lines_from_the_workers_are_dropped():
+    noise = ["Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library",
+             "W1204 22:36:10.968000 24355 torch/utils/_pytree.py:630] <enum 'KernelPreference'> is an Enum subclass "
+             "and is now natively supported by torch.compile as an opaque value type."]
+    assert WorkerLines()([*noise, "a real warning"]) == ([], ["a real warning"])

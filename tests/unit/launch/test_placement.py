@@ -13,7 +13,8 @@ import ray
 from app.config.loading import load_config
 from app.errors import UserInputError
 from app.launch.cluster import check_placement
-from app.launch.memory_budget import HOST_PEAK_OVER_PLAN, memory_saving_choices, worker_memory_budget
+from app.launch.memory_budget import HOST_PEAK_OVER_PLAN, memory_saving_decisions, worker_memory_budget
+from app.plan.plan import Plan
 
 
 def _node(address: str, cpus: float, alive: bool = True) -> dict:
@@ -87,10 +88,10 @@ def test_a_cpu_workers_memory_is_the_smallest_nodes_share_unless_the_config_name
 
 def test_without_a_memory_plan_auto_takes_the_memory_saving_choices(tmp_path):
     auto = load_config(None, ["train.micro_batch_size=auto", f"train.output_dir={tmp_path}"])
-    cfg, reasons = memory_saving_choices(auto)
+    plan = Plan(auto).decided(*memory_saving_decisions(auto))
+    cfg = plan.cfg
     assert cfg.model.gradient_checkpointing is True and cfg.model.checkpoint_every_n_layers == 1
     assert cfg.train.micro_batch_size == 1
-    assert set(reasons) == {"model.gradient_checkpointing", "train.micro_batch_size"}
-    explicit, none = memory_saving_choices(load_config(None, ["model.gradient_checkpointing=false",
-                                                              f"train.output_dir={tmp_path}"]))
-    assert explicit.model.gradient_checkpointing is False and none == {}
+    assert set(plan.reasons) == {"model.gradient_checkpointing", "train.micro_batch_size"}
+    assert memory_saving_decisions(load_config(None, ["model.gradient_checkpointing=false",
+                                                      f"train.output_dir={tmp_path}"])) == ()

@@ -10,9 +10,10 @@ from app.config.loading import load_config
 from app.errors import UserInputError
 from app.model.adapter import base_param_name
 from app.model.build import build_lora_model, build_training_model
-from app.model.memory_plan import plan_memory
 from app.model.sharding import build_device_mesh, reshard
 from app.model.slices import slice_loading_problem
+from app.plan.memory import plan_memory
+from app.plan.plan import Plan
 from tests.helpers import run_ranks, tiny_checkpoint
 
 OVERRIDES = ["fsdp.param_dtype=float32", "model.dtype=float32", "lora.dropout=0", "model.gradient_checkpointing=false"]
@@ -122,18 +123,19 @@ def test_a_checkpoint_missing_a_weight_is_named_in_the_driver(embedded, tmp_path
         slice_loading_problem(load_config(None, [f"model.path={model_path}"]).model)
 
 
-def test_fused_experts_make_the_job_load_the_model_whole_with_a_warning(embedded, tmp_path, capsys):
+def test_fused_experts_make_the_plan_load_the_model_whole_and_say_why(embedded, tmp_path):
     """Mixtral's checkpoint stores each expert apart; transformers stacks them into one tensor on load,
-    which no row slice of the file gives: the driver switches to model.load=full and says why."""
-    from app.launch.model_checks import with_loadable_model
+    which no row slice of the file gives: the driver's plan switches to model.load=full and says why."""
+    from app.plan.loading import loading_decision
 
     model_path = tiny_checkpoint("mixtral", tmp_path / "mixtral", embedded["model"])
     cfg = load_config(None, [f"model.path={model_path}", "model.load=sharded"])
-    capsys.readouterr()
-    assert with_loadable_model(cfg).model.load == "full"
-    warning = capsys.readouterr().err.strip()
-    assert warning.startswith("warning: model.load=sharded: transformers builds model.layers.0.mlp.experts.")
-    assert warning.endswith("every worker loads the whole model instead (model.load=full)") and "\n" not in warning
+    plan = Plan(cfg).decided(*loading_decision(cfg))
+    assert (plan.cfg.model.load, cfg.model.load) == ("full", "sharded")
+    why = plan.reasons["model.load"]
+    assert why.startswith("full (transformers builds model.layers.0.mlp.experts.")
+    assert why.endswith("every worker loads the whole model)") and "\n" not in why
+    assert loading_decision(load_config(None, [f"model.path={embedded['model']}", "model.load=sharded"])) == ()
 
 
 def test_the_meta_built_model_has_the_checkpoints_generation_config(embedded, tmp_path):

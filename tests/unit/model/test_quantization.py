@@ -9,9 +9,9 @@ from app.config.loading import load_config
 from app.errors import UserInputError
 from app.launch.model_checks import check_nf4_shapes
 from app.model.build import build_lora_model, build_training_model
-from app.model.memory_plan import plan_memory
 from app.model.quantization import NF4_BLOCK, is_nf4, quantizable_linears, quantize_nf4, scaler_block_size
 from app.model.sharding import build_device_mesh, decoder_layers, reshard, trainable_parameters
+from app.plan.memory import plan_memory
 from tests.helpers import run_ranks
 
 OVERRIDES = ["fsdp.param_dtype=float32", "model.dtype=float32", "lora.dropout=0", "model.gradient_checkpointing=false"]

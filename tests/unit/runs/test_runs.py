@@ -93,7 +93,7 @@ def test_a_hub_model_is_pinned_to_the_commit_its_revision_names(monkeypatch):
     """The hub cannot be reached here: its API call is replaced, and only it."""
     from huggingface_hub import HfApi
 
-    from app.launch.inputs import pin_hub_revision
+    from app.plan.model_source import hub_revision_decision
 
     calls = []
 
@@ -105,12 +105,13 @@ def test_a_hub_model_is_pinned_to_the_commit_its_revision_names(monkeypatch):
 
     monkeypatch.setattr(HfApi, "model_info", model_info)
     cfg = load_config(EMBEDDED_CONFIG, ["model.path=org/model", "model.revision=main"])
-    assert pin_hub_revision(cfg).model.revision == "a" * 40 and calls == [("org/model", "main")]
+    [pinned] = hub_revision_decision(cfg)
+    assert (pinned.key, pinned.value) == ("model.revision", "a" * 40) and calls == [("org/model", "main")]
     local = load_config(EMBEDDED_CONFIG)  # a local directory: nothing to resolve
-    assert pin_hub_revision(local) is local and len(calls) == 1
+    assert hub_revision_decision(local) == () and len(calls) == 1
     with pytest.raises(UserInputError, match=r"model.path=org/missing: cannot resolve revision main on the hub "
                                              r"\(404 Client Error"):
-        pin_hub_revision(load_config(EMBEDDED_CONFIG, ["model.path=org/missing"]))
+        hub_revision_decision(load_config(EMBEDDED_CONFIG, ["model.path=org/missing"]))
 
 
 def test_runs_left_running_by_ended_jobs_are_ended_with_their_jobs_outcome(tmp_path):

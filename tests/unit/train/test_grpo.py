@@ -11,6 +11,7 @@ from app.config.grpo import GrpoSection
 from app.config.loading import load_config
 from app.data.chat import IGNORE_INDEX
 from app.errors import UserInputError
+from app.plan.plan import Plan
 from app.train.grpo import group_advantages, normaliser_count, summed_loss, token_terms
 from app.train.objectives import GroupRelative
 from app.train.rewards import RewardError, call_reward, combined, load_reward_function, score
@@ -109,7 +110,7 @@ def test_the_config_refuses_completions_that_do_not_split_into_whole_groups_per_
     with pytest.raises(UserInputError, match="train.objective=grpo needs grpo.reward_funcs"):
         load_config(EMBEDDED_CONFIG, ["train.objective=grpo"])
     cfg = load_config(EMBEDDED_CONFIG, [*base, "train.global_batch_size=32"])
-    assert (cfg.data.format, cfg.data.packing, cfg.rows_per_batch(2)) == ("prompt", False, 2)
+    assert (cfg.data.format, cfg.data.packing, Plan(cfg).rows_per_batch(2)) == ("prompt", False, 2)
     assert cfg.grpo.reward_funcs == [f"{REPO / 'jobs' / 'rewards.py'}:exact_words"]  # made absolute here
 
 

@@ -22,15 +22,16 @@ from app.data.stream import RankStream
 from app.model.base import load_tokenizer
 from app.model.build import build_training_model
 from app.model.sharding import build_device_mesh, trainable_parameters
+from app.plan.plan import Plan
 from app.runs.layout import RunDir
 from app.train import rewards
+from app.train.group import RankContext
 from app.train.loss import sampled_token_logps
 from app.train.objectives import GroupRelative
-from app.train.ranks import RankContext
 from app.train.recipe import FinetuneRecipe
 from app.train.rollouts import LocalRollouts, RolloutStream
 from app.train.sampling import build_sampler
-from tests.helpers import REPO, make_config, run_ranks
+from tests.helpers import REPO, driver_plan, make_config, run_ranks
 from tests.unit.train.test_recipe import DirectoryCheckpoints, RecordingTracker
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def _grpo_rank(rank: int, world: int, embedded: dict, out: str, *overrides: str)
     tokenizer = load_tokenizer(cfg.model)
     train_rows = _prompt_rows(cfg, tokenizer, cfg.data.train_path, 64)
     eval_rows = _prompt_rows(cfg, tokenizer, cfg.data.eval_path, 8)
-    train_pass = lambda _: _dealt(train_rows, rank, world, cfg.rows_per_batch(world))  # noqa: E731
+    train_pass = lambda _: _dealt(train_rows, rank, world, Plan(cfg).rows_per_batch(world))  # noqa: E731
     eval_pass = lambda: _dealt(eval_rows, 0, 1, 4)  # noqa: E731
     scorer = functools.partial(rewards.score, cfg.grpo.reward_funcs)
     return cfg, RankContext(rank, world, torch.device("cpu")), train_pass, eval_pass, scorer
@@ -154,7 +155,7 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
     results = {}
     for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step3")):
         tracker = RecordingTracker()
-        recipe = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
+        recipe = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
                                 DirectoryCheckpoints(Path(out) / name, restore_from), RunDir(str(Path(out) / name)),
                                 rollouts=LocalRollouts(build_sampler(cfg), cfg.grpo), scorer=scorer)
         results[name] = {"summary": recipe.train(), "metrics": tracker.metrics}

@@ -16,7 +16,7 @@ EVALUATION = """
 import sys, torch, torch.distributed as dist
 from app.train.evaluation import dealt_eval_sums
 from app.train.progress import private_memory_gb
-from app.train.ranks import RankContext
+from app.train.group import RankContext
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 weight = torch.randn(1024, 1024)

@@ -17,9 +17,9 @@ from app.data.formatting import tokenize_rows
 from app.model.base import load_tokenizer
 from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.runs.layout import RunDir
-from app.train.ranks import RankContext
+from app.train.group import RankContext
 from app.train.recipe import FinetuneRecipe
-from tests.helpers import make_config, run_ranks
+from tests.helpers import driver_plan, make_config, run_ranks
 
 pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not
 
@@ -96,7 +96,7 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: st
     first_checkpoint = Path(out) / "whole" / f"step{cfg.train.checkpoint_every}"
     for name, restore_from in (("whole", None), ("restored", first_checkpoint)):
         tracker = RecordingTracker()
-        summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker,
+        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
                                  DirectoryCheckpoints(Path(out) / name, restore_from, 6 if name == "whole" else None),
                                  RunDir(str(Path(out) / name))).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics, "params": tracker.params}
@@ -128,8 +128,9 @@ def test_the_recipe_learns_and_a_restored_run_takes_the_same_steps(embedded, tmp
         assert RunDir(str(tmp_path / name)).adapter_complete()
     # the embedded config's `auto` dtypes resolve by this machine's hardware, and the choice is logged
     expected = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
-    assert whole["params"] == {"resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected,
-                               "resolved.model.compile": False}
+    assert {k: v for k, v in whole["params"].items() if k.startswith("resolved.")} == {
+        "resolved.model.dtype": expected, "resolved.fsdp.param_dtype": expected, "resolved.model.compile": False}
+    assert whole["params"]["plan.fsdp.param_dtype"].startswith(expected)  # and why
 
 
 EARLY_STOP = ["train.max_steps=16", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=2",
@@ -234,8 +235,8 @@ def _sft_then_dpo(rank: int, world: int, embedded: dict, out: str) -> None:
         cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
         tracker = RecordingTracker()
         weights = read_adapter_weights(Path(out) / start / "adapter") if start else None
-        summary = FinetuneRecipe(cfg, ctx, train_pass, eval_pass, tracker, run_dir=RunDir(str(Path(out) / name)),
-                                 init_adapter=weights).train()
+        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
+                                 run_dir=RunDir(str(Path(out) / name)), init_adapter=weights).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics}
         torch.distributed.barrier()  # rank 0 writes the adapter after the run's last collective
     if rank == 0:
@@ -273,7 +274,7 @@ def test_a_run_starts_from_a_trained_adapter_and_dpo_measures_against_it(embedde
 def _fresh_dpo_start(rank: int, world: int, embedded: dict, out: str) -> None:
     cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *_dpo(
         embedded, "model.dtype=float32", "fsdp.param_dtype=float32"))
-    recipe = FinetuneRecipe(cfg, ctx, train_pass, eval_pass)
+    recipe = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass)
     recipe.setup()
     (Path(out) / "fresh.json").write_text(json.dumps(recipe.evaluate()))
 

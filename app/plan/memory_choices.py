@@ -1,5 +1,5 @@
 """What `auto` resolves to for the choices that trade speed against memory, from the memory plan
-(app/model/memory_plan.py) against one worker's memory budget: model.gradient_checkpointing (off, on every n-th
+(app/plan/memory.py) against one worker's memory budget: model.gradient_checkpointing (off, on every n-th
 decoder layer, on every layer), train.micro_batch_size and scaling.mesh (every worker holding the whole model, or
 its parameters sharded over all of them). Plain arithmetic on the meta device: the budget comes
 from the caller (the cluster's, or scaling.device_memory_gb), and a run whose explicit choices do not fit is
@@ -20,7 +20,8 @@ from typing import Literal
 
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
-from app.model.memory_plan import GiB, MemoryPlan, checkpointed_layers, plan_memory, with_activations_of
+from app.plan.memory import GiB, MemoryPlan, checkpointed_layers, plan_memory, with_activations_of
+from app.plan.plan import Decision, applied
 
 USABLE = 0.9  # of a device's memory: CUDA context and allocator fragmentation take the rest (host: the OS, Ray)
 Checkpointing = tuple[bool, int]  # (on, every n-th layer)
@@ -29,21 +30,25 @@ Mesh = Literal["replicate"] | None  # what scaling.mesh=auto resolves to
 
 @dataclass(frozen=True)
 class MemoryChoices:
-    cfg: FinetuneConfig  # every auto of the three resolved (the most memory-saving where nothing fits)
-    reasons: dict[str, str]  # config key -> the resolved value and why, for the log and the MLflow run
-    plan: MemoryPlan  # of the resolved config
+    cfg: FinetuneConfig  # the config with the choices (the most memory-saving where nothing fits)
+    decisions: tuple[Decision, ...]  # every auto of the three, with the value and why (none where nothing fits)
+    plan: MemoryPlan  # of `cfg`
     refusal: str | None = None  # why nothing fits: the one-line error a launch stops with
 
-    def fitting(self) -> MemoryChoices:
+    @property
+    def reasons(self) -> dict[str, str]:
+        return {d.key: d.reason for d in self.decisions if d.reason}
+
+    def fitting(self) -> tuple[Decision, ...]:
         if self.refusal:
             raise UserInputError(self.refusal)
-        return self
+        return self.decisions
 
 
 def resolve_memory_choices(cfg: FinetuneConfig, budget_bytes: float, budget_source: str,
                            config_file: str | None = None) -> MemoryChoices:
-    """The config with checkpointing, micro-batch and mesh resolved to the fastest that fits `budget_bytes`, or
-    the most memory-saving with a refusal when nothing (or the explicit choice) fits."""
+    """Checkpointing, micro-batch and mesh decided: the fastest that fits `budget_bytes`, or the most
+    memory-saving with a refusal when nothing (or the explicit choice) fits."""
     autos = {key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
                                     ("train.micro_batch_size", cfg.train.micro_batch_size),
                                     ("scaling.mesh", cfg.scaling.mesh)) if value == "auto"}
@@ -58,10 +63,10 @@ def resolve_memory_choices(cfg: FinetuneConfig, budget_bytes: float, budget_sour
         candidate = _with(cfg, option, micro, mesh)
         plan = with_activations_of(base, candidate)
         if plan.device_total <= usable:
-            return MemoryChoices(candidate, _reasons(candidate, plan, usable, budget_source, autos), plan)
+            return MemoryChoices(candidate, _decisions(candidate, plan, usable, budget_source, autos), plan)
     thriftiest = _with(cfg, checkpointing[-1], micro_batches[-1], meshes[-1])
     plan = with_activations_of(bases[-1], thriftiest)
-    return MemoryChoices(thriftiest, {}, plan, _does_not_fit(thriftiest, plan, usable, budget_source, bool(autos)))
+    return MemoryChoices(thriftiest, (), plan, _does_not_fit(thriftiest, plan, usable, budget_source, bool(autos)))
 
 
 def checkpointing_options(num_layers: int) -> list[Checkpointing]:
@@ -92,11 +97,11 @@ def mesh_options(cfg: FinetuneConfig) -> list[Mesh]:
 
 
 def _with(cfg: FinetuneConfig, checkpointing: Checkpointing, micro: int, mesh) -> FinetuneConfig:
+    """A candidate: `cfg` with these values, validated as a plan's config is."""
     on, every = checkpointing
-    return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"gradient_checkpointing": on, "checkpoint_every_n_layers": every}),
-        "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
-        "scaling": cfg.scaling.model_copy(update={"mesh": mesh})})
+    return applied(cfg, (Decision("model.gradient_checkpointing", on),
+                         Decision("model.checkpoint_every_n_layers", every),
+                         Decision("train.micro_batch_size", micro), Decision("scaling.mesh", mesh)))
 
 
 def _describe(cfg: FinetuneConfig, num_layers: int) -> str:
@@ -106,25 +111,29 @@ def _describe(cfg: FinetuneConfig, num_layers: int) -> str:
     return f"checkpointing {ckpt}, micro-batch {cfg.train.micro_batch_size}{whole}"
 
 
-def _reasons(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str, autos: set[str]) -> dict[str, str]:
+def _decisions(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str,
+               autos: set[str]) -> tuple[Decision, ...]:
     fits = f"{plan.device_total / GiB:.2f} GiB planned per worker, {usable / GiB:.1f} GiB usable ({source})"
-    model, reasons = cfg.model, {}
+    model, decided = cfg.model, []
     if "model.gradient_checkpointing" in autos:
         count = checkpointed_layers(model, plan.num_layers)
         value = "false" if not count else f"true, every {model.checkpoint_every_n_layers} layer(s)"
         why = ("fits without it" if not count else
                f"{count} of {plan.num_layers} layers checkpointed: the fewest that fit")
-        reasons["model.gradient_checkpointing"] = f"{value} ({why}: {fits})"
+        decided += [Decision("model.gradient_checkpointing", model.gradient_checkpointing, f"{value} ({why}: {fits})"),
+                    Decision("model.checkpoint_every_n_layers", model.checkpoint_every_n_layers)]
     if "train.micro_batch_size" in autos:
-        reasons["train.micro_batch_size"] = (f"{cfg.train.micro_batch_size} (the largest that splits the global "
-                                             f"batch and fits: {fits})")
+        micro = cfg.train.micro_batch_size
+        decided.append(Decision("train.micro_batch_size", micro,
+                                f"{micro} (the largest that splits the global batch and fits: {fits})"))
     if "scaling.mesh" in autos and cfg.scaling.mesh == "replicate":
-        reasons["scaling.mesh"] = f"replicate (every worker holds the whole model, no gathers: {fits})"
+        decided.append(Decision("scaling.mesh", "replicate",
+                                f"replicate (every worker holds the whole model, no gathers: {fits})"))
     elif "scaling.mesh" in autos:
         # one worker has nothing to choose: replicated was never an option
         tried = "" if cfg.scaling.num_workers == 1 else "replicated does not fit with these choices; "
-        reasons["scaling.mesh"] = f"null (sharded over every worker: {tried}{fits})"
-    return reasons
+        decided.append(Decision("scaling.mesh", None, f"null (sharded over every worker: {tried}{fits})"))
+    return tuple(decided)
 
 
 def _does_not_fit(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str, auto: bool) -> str:

@@ -10,8 +10,8 @@ import pytest
 from app.config.loading import load_config
 from app.errors import UserInputError
 from app.model.build import build_meta_lora_model
-from app.model.memory_choices import resolve_memory_choices
-from app.model.memory_plan import GiB, checkpointed_layers, plan_memory
+from app.plan.memory import GiB, checkpointed_layers, plan_memory
+from app.plan.memory_choices import resolve_memory_choices
 from jobs.plan import main
 from tests.helpers import EMBEDDED_CONFIG, REPO
 
@@ -86,7 +86,7 @@ def test_every_n_layers_reaches_transformers_checkpointing(embedded):
 def test_jobs_plan_prints_what_auto_resolves_to(capsys):
     assert main(["--config", CONFIG_8B, "--model-config", SHAPE_8B, "--device-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    assert "auto: model.gradient_checkpointing=false" in out and "auto: train.micro_batch_size=" in out
+    assert "plan: model.gradient_checkpointing=false" in out and "plan: train.micro_batch_size=" in out
     assert main(["--config", CONFIG_8B, "--model-config", SHAPE_8B]) == 2  # a GPU config: auto needs its memory
     assert "give --device-memory-gb" in capsys.readouterr().err
 

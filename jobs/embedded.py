@@ -1,4 +1,4 @@
-"""The embedded default: a small Llama-architecture model, its tokenizer and an instruction dataset.
+"""The embedded demo: a small Llama-architecture model, its tokenizer and an instruction dataset.
 
 No model hub is reachable where this project is developed and tested, so the demo builds everything
 locally, in Hugging Face format, and the job then loads it through the same `from_pretrained` path
@@ -11,6 +11,9 @@ Like a real base model, the embedded one is pretrained (briefly, on raw text suc
 three hundred forty-seven.") before it is saved: it knows the facts but not the chat format, and the
 LoRA fine-tune teaches it to answer the instruction. A randomly initialised base would leave LoRA
 almost nothing to adapt.
+
+It lives beside the commands, not in the product: they build it on first use (`ensure_embedded`) when a
+config reads it; `make embedded` (jobs/build_embedded.py) and the tests' fixture (`build_once`) build it ahead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import random
 import shutil
 import sys
 from pathlib import Path
+
+from app.config.paths import embedded_root
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -195,19 +200,9 @@ def build_embedded(root: Path, seed: int = 0) -> dict[str, str]:
     return {"model": str(model_dir), "train": str(data_dir / "train.jsonl"), "eval": str(data_dir / "eval.jsonl")}
 
 
-def embedded_root(path: str | None) -> Path | None:
-    """The `.cache/embedded` folder a local path lies in, if it does."""
-    if not path or "://" in path:
-        return None
-    parts = Path(path).parts
-    for i in range(len(parts) - 1):
-        if parts[i : i + 2] == (".cache", "embedded"):
-            return Path(*parts[: i + 2])
-    return None
-
-
 def ensure_embedded(cfg) -> None:
-    """Build the embedded model and data where the config reads them, once, if they are not there yet.
+    """Build the embedded model and data where the config reads them, once, if they are not there yet: what a
+    command does before it hands the config to the driver.
 
     Under `ray job submit` that is the cluster's shared storage ($FINETUNE_STORAGE/.cache/embedded: the
     upload leaves .cache/ out), so the default config works without any override."""

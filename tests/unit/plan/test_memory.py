@@ -5,7 +5,7 @@ import pytest
 
 from app.config.loading import load_config
 from app.model.build import build_lora_model
-from app.model.memory_plan import plan_memory
+from app.plan.memory import plan_memory
 from jobs.plan import main
 from tests.helpers import EMBEDDED_CONFIG, REPO
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from app.config.loading import load_config
-from app.model import compile_choice
-from app.model.compile_choice import CHOICES_FILE, compile_cache_dir, decide_compile, use_compile_cache
+from app.plan import compile_choice
+from app.plan.compile_choice import CHOICES_FILE, compile_cache_dir, decide_compile, use_compile_cache
 from tests.helpers import EMBEDDED_CONFIG
 
 CPU = torch.device("cpu")

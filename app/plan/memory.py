@@ -17,8 +17,9 @@ import torch
 
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
-from app.model.hardware import has_fast_bf16, with_dtypes_resolved
+from app.model.hardware import has_fast_bf16
 from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
+from app.plan.dtypes import planned_dtypes
 
 GiB = 2**30
 ACTIVATIONS = "activations (estimate)"
@@ -55,10 +56,10 @@ def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
 def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPlan:
     from app.model.sharding import decoder_layers
 
-    cfg = with_dtypes_resolved(cfg, cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
+    dtypes = planned_dtypes(cfg, cfg.scaling.use_gpu or has_fast_bf16(torch.device("cpu")))
     model, base, lora = count_parameters(cfg, config_file)
     shard = cfg.shard_group_size
-    stored, compute = DTYPE_BYTES[cfg.model.dtype], DTYPE_BYTES[cfg.fsdp.param_dtype]
+    stored, compute = (DTYPE_BYTES[name] for name in dtypes)
     layers = decoder_layers(model)
     quantized = nf4_params(layers) if cfg.model.quantization == "nf4" else [0]
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
@@ -97,7 +98,7 @@ def with_activations_of(plan: MemoryPlan, cfg: FinetuneConfig) -> MemoryPlan:
 def checkpointed_layers(model: ModelSection, num_layers: int) -> int:
     """Decoder layers activation checkpointing recomputes: every n-th (transformers' `every_n_layers`)."""
     if model.gradient_checkpointing == "auto":
-        raise ValueError("model.gradient_checkpointing=auto is resolved before it is planned (memory_choices.py)")
+        raise ValueError("model.gradient_checkpointing=auto is decided before it is planned (memory_choices.py)")
     return math.ceil(num_layers / model.checkpoint_every_n_layers) if model.gradient_checkpointing else 0
 
 

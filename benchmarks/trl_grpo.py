@@ -1,7 +1,7 @@
 """GRPO side by side: the job (`train.objective=grpo`, rollouts in a Ray actor, adapter-only sync) against TRL's
 GRPOTrainer with PEFT LoRA and its own generation (no vLLM), both from one GRPO config.
 
-    python -m benchmarks.trl_grpo --config jobs/configs/smollm2_grpo.yaml --steps 15
+    python -m benchmarks.trl_grpo --config jobs/configs/smollm2_grpo.yaml --steps 15 [--staleness 0 1]
     python -m jobs.finetune --config jobs/configs/embedded.yaml --set train.run_name=numbers-sft
     python -m benchmarks.trl_grpo --config jobs/configs/embedded_grpo.yaml --adapter outputs/numbers-sft/adapter
 
@@ -13,8 +13,9 @@ optimizer step and per forward, learning rate (constant), beta, loss type, cut-o
 runs under torchrun with gloo and FSDP2 via accelerate (benchmarks/trl_sft.py's setup), on as many workers as the
 job. Figures per side: completions per second per worker in the steady state (the first --warmup steps left out),
 peak memory per worker (the max over workers), and each reward function's mean over the held-out prompts answered
-greedily by the saved adapter in plain PEFT (benchmarks/exact_match.py), with the start's beside them. Prints one
-JSON line and writes <out>/trl_grpo.json.
+greedily by the saved adapter in plain PEFT (benchmarks/exact_match.py), with the start's beside them. With
+--staleness the job runs once per grpo.max_staleness given (k > 0 with importance_correction tis), each beside TRL
+(`jobs`; `job` is the first). Prints one JSON line and writes <out>/trl_grpo.json.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adapter", help="an adapter both sides start from (default: a fresh LoRA from `lora:`)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's train.max_steps)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
+    p.add_argument("--staleness", type=int, nargs="+", help="the job once per grpo.max_staleness (default: the "
+                   "config's); k > 0 with grpo.importance_correction=tis")
     p.add_argument("--out", default="outputs/benchmark/grpo")
     p.add_argument("--model-path", help=argparse.SUPPRESS)  # the torchrun side: the resolved model folder
     p.add_argument("--train-file", help=argparse.SUPPRESS)  # the torchrun side: the resolved train prompts
@@ -52,22 +55,29 @@ def overrides(args) -> list[str]:
     return [*args.set, *extra, *([f"model.init_adapter={args.adapter}"] if args.adapter else [])]
 
 
-def run_job(args, cfg) -> dict:
-    """The job, with its steady completions/s per worker over the same steps as TRL's (from its MLflow steps)."""
+def run_job(args, cfg, staleness: list[str]) -> dict:
+    """The job, with its steady completions/s per worker over the same steps as TRL's (from its MLflow steps), and
+    the share of its steps the trainers waited for the rollout side."""
     from benchmarks.common import run_job_steadily
 
     steps = cfg.train.max_steps
     bench = [f"train.eval_every={steps}", f"train.checkpoint_every={steps}", "train.eval_on_start=false",
              "train.log_every=1", f"train.output_dir={Path(args.out).resolve() / 'job'}",
              f"train.run_name=trl-grpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
-    summary, curve, steady, seconds = run_job_steadily(args.config, overrides(args) + bench, args.warmup)
-    generate = curve("rollout/generate_share")
+    summary, curve, steady, seconds = run_job_steadily(args.config, overrides(args) + staleness + bench, args.warmup)
+    generate, idle = curve("rollout/generate_share"), curve("rollout/trainer_idle_share")
     workers = cfg.scaling.num_workers
     return {"completions_per_second_per_worker": cfg.train.global_batch_size * len(steady) / seconds / workers,
             "step_seconds_steady": seconds / len(steady), "peak_memory_gb": summary["peak_memory_gb"],
             "generate_share": sum(generate[s] for s in steady) / len(steady),
+            "trainer_idle_share": sum(idle[s] for s in steady) / len(steady),
+            "staleness_mean": sum(curve("rollout/staleness_mean")[s] for s in steady) / len(steady),
             "sync_bytes_per_step": max(curve("rollout/sync_bytes").values(), default=0.0),
             "adapter": summary["adapter_path"]}
+
+
+def staleness_overrides(k: int) -> list[str]:
+    return [f"grpo.max_staleness={k}", f"grpo.importance_correction={'tis' if k else 'none'}"]
 
 
 def trl_worker(args) -> None:
@@ -128,7 +138,9 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"config": args.config, "overrides": overrides(args), "model": cfg.model.path,
               "steps": cfg.train.max_steps, "warmup": args.warmup, "workers": cfg.scaling.num_workers,
-              "job": run_job(args, cfg)}
+              "jobs": {f"max_staleness={k}": run_job(args, cfg, staleness_overrides(k))
+                       for k in args.staleness or [cfg.grpo.max_staleness]}}
+    result["job"] = next(iter(result["jobs"].values()))
     flags = [f"--config={args.config}", *(f"--set={o}" for o in args.set), f"--warmup={args.warmup}",
              f"--model-path={cfg.model.path}", f"--train-file={sources.train[0].files[0]}",
              *([f"--steps={args.steps}"] if args.steps else []),
@@ -137,8 +149,10 @@ def main(argv=None) -> int:
                              "--out", str(Path(args.out) / "trl"), "--trl-worker")
     eval_file = sources.eval.files[0]
     result["start"] = held_out(cfg, cfg.model.path, eval_file, args.adapter)
-    for side in ("job", "trl"):
-        result[side] |= held_out(cfg, cfg.model.path, eval_file, result[side]["adapter"])
+    for side in (*result["jobs"].values(), result["trl"]):
+        side |= held_out(cfg, cfg.model.path, eval_file, side["adapter"])
+        side["completions_per_second_over_trl"] = (side["completions_per_second_per_worker"]
+                                                   / result["trl"]["completions_per_second_per_worker"])
     result["seconds"] = time.perf_counter() - T_START
     return report_side_by_side(result, "completions_per_second_per_worker", Path(args.out, "trl_grpo.json"))
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from app.config.loading import resolve_tracking_uri
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code
-from app.evaluation.gym_lm_eval import with_gym_tasks
-from app.evaluation.harness import Evaluation, check_tasks, task_metadata
+from app.eval_tasks.gym_lm_eval import with_gym_tasks
+from app.eval_tasks.harness import Evaluation, check_tasks, task_metadata
 from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
 from app.runs.layout import OutputDir
@@ -89,9 +89,9 @@ def tracking_client(output_dir: str):
 
 def evaluate(client, source: str | None, base: str | None, args: argparse.Namespace) -> dict:
     """Score one adapter (None: `base` alone) and record it: {source, version, run_id, scores, where}."""
-    from app.evaluation.harness import scores
-    from app.launch.evaluation import evaluate_where_it_fits
-    from app.tracking.evaluations import record_scores, resolve
+    from app.eval_tasks.harness import scores
+    from app.launch.eval_tasks import evaluate_where_it_fits
+    from app.tracking.task_scores import record_scores, resolve
 
     try:
         evaluated = resolve(client, source, args.output_dir, base)

@@ -22,7 +22,7 @@ import time
 from mlflow.exceptions import MlflowException
 
 from app.errors import CommandParser, UserInputError, exit_code
-from app.evaluation.promotion import NOT_PROMOTED, decide
+from app.eval_tasks.promotion import NOT_PROMOTED, decide
 from app.logs import quiet_import_noise
 from jobs.evaluate import add_evaluation_arguments, evaluate, print_scores, tracking_client
 

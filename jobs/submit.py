@@ -31,7 +31,7 @@ import yaml
 from app.config.loading import load_config
 from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, exit_code, first_line
-from app.launch.sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
+from app.launch.grid_sweep import format_table, grid_points, parse_grid, point_name, point_overrides, results_table
 from app.logs import quiet_import_noise
 from jobs.tune import parse_args as parse_tune_args
 from jobs.tune import sweep_config, sweep_name

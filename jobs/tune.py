@@ -25,10 +25,10 @@ import yaml
 from app.config.loading import load_config
 from app.config.schema import FinetuneConfig
 from app.config.sections import RUN_NAME
-from app.config.space import check_space
+from app.config.sweep_space import check_space
 from app.errors import CommandParser, UserInputError, exit_code
 from app.launch.console import quiet_driver_logging
-from app.launch.sweep import format_table
+from app.launch.grid_sweep import format_table
 from app.logs import quiet_import_noise
 from jobs.embedded import ensure_embedded
 
@@ -118,7 +118,7 @@ def tune_sweep(args: argparse.Namespace) -> int:
     check_tracking_server(cfg.mlflow.tracking_uri)
     if not args.verbose:
         quiet_driver_logging()
-    from app.launch.tuning import run_sweep  # imports Ray and Tune: only after the checks
+    from app.launch.tune_sweep import run_sweep  # imports Ray and Tune: only after the checks
 
     summary = run_sweep(cfg, name, resume=bool(args.resume), verbose=args.verbose)
     table = summary["trials_table"]

@@ -76,19 +76,23 @@ LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "
                  "tests.integration.test_preference", "tests.integration.test_grpo",
                  "tests.unit.train.test_grpo_recipe", "tests.integration.test_tracking"]
 # Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
-FILLERS = {"tests.unit.model.test_packing_probe"}
+FILLERS = {"tests.unit.plan.test_packing_probe"}
+# Modules of long tests that share nothing (each starts its own cluster): a group per test, so the two processes
+# share them out instead of one running them all in a row.
+SPLIT = {"tests.integration.test_tune"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which writes the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     def group(item) -> str:
         module = item.module.__name__
-        return SHARED_GROUPS.get(module.rsplit(".", 1)[-1], module)
+        return f"{module}.{item.name}" if module in SPLIT else SHARED_GROUPS.get(module.rsplit(".", 1)[-1], module)
 
     def rank(item) -> int:
         if item.module.__name__ in FILLERS:
             return len(LONGEST_FIRST) + 1
-        return LONGEST_FIRST.index(group(item)) if group(item) in LONGEST_FIRST else len(LONGEST_FIRST)
+        module = group(item).rsplit(".", 1)[0] if item.module.__name__ in SPLIT else group(item)
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests keep their order
     for item in items:

@@ -56,6 +56,15 @@ class GrpoSection(Section):
                                 "ratio is taken against the policy that sampled them)")
     mask_truncated_completions: bool = Field(False, description="answers cut off at max_completion_tokens carry no "
                                              "loss (DAPO)")
+    max_staleness: int = Field(0, ge=0, description="optimizer steps a batch of answers may lag the policy it trains: "
+                               "with k > 0 the rollout side samples the next k steps' prompts with the current "
+                               "adapter while the trainers train (the two overlap); a batch sampled more than k "
+                               "steps ago is never trained on; 0: sampled with the very adapter it trains (on-policy)")
+    importance_correction: Literal["none", "tis"] = Field(
+        "none", description="weighting of each token's loss by how likely the trainer finds it over how likely the "
+        "sampler did: tis, truncated importance sampling (min(ratio, importance_cap)), for answers a stale adapter "
+        "or another numeric path sampled; none: no weight")
+    importance_cap: float = Field(2.0, gt=1.0, description="the truncation of tis: a token's weight is at most this")
     rollout_workers: int = Field(1, gt=0, description="Ray actors that generate the answers, each holding the "
                                  "frozen base once and the current adapter (sent after each optimizer step)")
     rollout_cpus: float = Field(1.0, ge=0.0, description="logical CPUs Ray reserves for each rollout actor")

@@ -139,6 +139,13 @@ def grpo_has_rewards(train: TrainSection, grpo: GrpoSection) -> str | None:
     return None
 
 
+def staleness_is_counted_in_steps(grpo: GrpoSection) -> str | None:
+    if grpo.max_staleness and grpo.num_iterations > 1:
+        return (f"grpo.max_staleness={grpo.max_staleness} with grpo.num_iterations={grpo.num_iterations}: a batch "
+                "that trains several steps is already that many steps old by its last; use one of them")
+    return None
+
+
 def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, grpo: GrpoSection) -> str | None:
     """train.global_batch_size counts completions: every worker holds whole groups of num_generations."""
     if not objective_of(train).samples_online:
@@ -177,4 +184,5 @@ RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, o
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
          data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
          elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
+         staleness_is_counted_in_steps,
          tune_ranks_by_a_reported_figure)

@@ -1,7 +1,7 @@
 """The `tune:` section: a sweep over the run config with Ray Tune (`python -m jobs.tune`), ignored by a single
 run. The search space maps config keys to distributions written as text (`loguniform(1e-4,3e-3)`); this module
 reads that text into `Dimension`s, and checks what one section can. Whether each key exists and each value it
-may take makes a valid run is app/config/space.py's check, which needs the whole config."""
+may take makes a valid run is app/config/sweep_space.py's check, which needs the whole config."""
 
 from __future__ import annotations
 

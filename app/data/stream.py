@@ -39,6 +39,10 @@ class RankStream:
         """Figures of the data the last step took (none here; GRPO's stream reports its rollouts')."""
         return {}
 
+    def run_figures(self) -> dict[str, float]:
+        """Figures of the attempt for the run's summary (none here; GRPO's stream reports its throughput)."""
+        return {}
+
     def state(self) -> dict:
         """What a checkpoint keeps beyond the data position: nothing here."""
         return {}

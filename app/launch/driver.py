@@ -45,7 +45,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     same MLflow run, with whatever worker count the config now asks for. The summary comes from the
     workers through Ray Train: a tracking server that is down at the end costs a warning, not the run.
     `started_at`: when the job began (the command's process start: the timeline then counts the driver's
-    imports too); now, if not given. `trial`: the run is a sweep's trial (app/launch/tuning.py).
+    imports too); now, if not given. `trial`: the run is a sweep's trial (app/launch/tune_sweep.py).
     """
     t0 = time.perf_counter()
     export_tracking_credentials()  # the config holds the tracking URI without them

@@ -61,7 +61,7 @@ class WorkerLaunch:
 
 @dataclass(frozen=True)
 class TrialLink:
-    """What a sweep's trial (app/launch/tuning.py) adds to a run: the Ray Train run it trains in (its first
+    """What a sweep's trial (app/launch/tune_sweep.py) adds to a run: the Ray Train run it trains in (its first
     part trains in the run's own; one restarted from a checkpoint, PBT's copy of a better trial or a resumed
     sweep's, in a new one beside it), that checkpoint, the queue its reports go to Ray Tune through, and the
     one on which rank 0 waits after each report until Ray Tune's scheduler has let the trial go on (a trial it

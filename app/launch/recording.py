@@ -13,15 +13,15 @@ from app.config.schema import FinetuneConfig
 from app.data.passes import source_key, source_names
 from app.environment import in_ray_job, ray_job_id
 from app.errors import first_line, warn
-from app.evaluation.gym_lm_eval import with_gym_tasks
-from app.evaluation.harness import Evaluation, scores, task_metadata
-from app.launch.evaluation import evaluate_where_it_fits
+from app.eval_tasks.gym_lm_eval import with_gym_tasks
+from app.eval_tasks.harness import Evaluation, scores, task_metadata
+from app.launch.eval_tasks import evaluate_where_it_fits
 from app.launch.inputs import CheckedInputs
 from app.launch.summary import best_tags
 from app.plan.plan import Plan
 from app.tracking import mlflow_run
-from app.tracking.evaluations import Evaluated, record_scores
 from app.tracking.registry import log_adapter_model
+from app.tracking.task_scores import Evaluated, record_scores
 
 
 def run_tags(cfg: FinetuneConfig, inputs: CheckedInputs) -> dict[str, str | None]:

@@ -4,15 +4,18 @@ Ray tasks beside them.
 The driver starts `grpo.rollout_workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
 each holding the frozen base once and the policy's adapter (app/train/sampling.py). After each optimizer step
 the training ranks gather the adapter's full weights from their FSDP2 shards, rank 0 puts them in the object
-store once and every actor swaps them in: a few MB, never the base. Rank r samples with actor r (modulo the
-group). An engine that hot-loads LoRA adapters (vLLM) can take the actors' place behind the same two calls,
-`load` and `sample` (app/train/rollouts.py's Rollouts); this one is transformers' batched `generate`, which runs
-wherever the trainer does.
+store once and every actor swaps them in, checked against the checksum the trainers computed: a few MB, never
+the base. Rank r samples with actor r (modulo the group); each answer comes back with the step and checksum of
+the adapter that sampled it, which the trainer checks (app/train/rollouts.py). With grpo.max_staleness the
+actors sample the next steps' prompts while the trainers train (an actor runs its calls one at a time, in
+order). An engine that hot-loads LoRA adapters (vLLM) can take the actors' place behind the same two calls,
+`load` and `sample`; this one is transformers' batched `generate`, which runs wherever the trainer does.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from app.config.schema import FinetuneConfig
 from app.train import rewards
-from app.train.sampling import Completion, build_sampler
+from app.train.sampling import Sampled, build_sampler
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
@@ -35,15 +38,14 @@ class RolloutActor:
         device = "cuda" if cfg.grpo.rollout_gpus and torch.cuda.is_available() else "cpu"
         self.grpo, self.sampler = cfg.grpo, build_sampler(cfg, device)  # its adapter: the trainer's, at each sync
 
-    def load(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        self.sampler.load_adapter(weights, version)
-        return version
+    def load(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> str:
+        """The adapter of step `version`, checked against what the trainer sent; the checksum it holds."""
+        self.sampler.load_adapter(weights, version, checksum)
+        return self.sampler.checksum
 
-    def sample(self, prompts: list[list[int]], seed: int, version: int) -> list[Completion] | None:
-        """The answers, sampled with the adapter of step `version`; None if this actor holds another one."""
-        if self.sampler.version != version:
-            return None
-        return self.sampler.sample(prompts, self.grpo, seed)
+    def sample(self, prompts: list[list[int]], seed: int, version: int) -> Sampled:
+        """The answers, sampled with the adapter of step `version` (none if this actor holds another one)."""
+        return self.sampler.sample_with(prompts, self.grpo, seed, version)
 
 
 def start_rollout_group(cfg: FinetuneConfig) -> list:
@@ -64,26 +66,33 @@ class RayRollouts:
     def __init__(self, actors: list, rank: int):
         self.actors, self.rank = actors, rank
         self.actor = actors[rank % len(actors)]
-        self.weights, self.version = None, -1  # the adapter the actors hold: its object in the store, its step
+        self.weights, self.version, self.checksum = None, -1, ""  # the adapter the actors hold: in the store, step
 
-    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
         """Rank 0 sends the weights (one object in the store, read by every actor) and hands every rank its
         reference (to send again to an actor that restarted); every rank waits until all actors hold them."""
         shared = [ray.put(weights) if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
-        self.weights, self.version = shared[0], version
+        self.weights, self.version, self.checksum = shared[0], version, checksum
         if self.rank == 0:
-            ray.get([actor.load.remote(self.weights, version) for actor in self.actors])
+            ray.get([actor.load.remote(self.weights, version, checksum) for actor in self.actors])
         if dist.is_initialized():
             dist.barrier()
 
-    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
-        answers = ray.get(self.actor.sample.remote(prompts, seed, self.version))
-        if answers is None:  # the actor restarted since the last sync: it gets the current adapter again
-            ray.get(self.actor.load.remote(self.weights, self.version))
-            answers = ray.get(self.actor.sample.remote(prompts, seed, self.version))
-        return answers
+    def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
+        """Sampling starts on this rank's actor (after what it was asked before); the call returns its answers.
+        An actor found restarted (it holds the starting adapter again) gets the current one and samples anew."""
+        pending = self.actor.sample.remote(prompts, seed, version)
+
+        def result() -> Sampled:
+            sampled = ray.get(pending)
+            if sampled.completions is None and sampled.version == -1:
+                ray.get(self.actor.load.remote(self.weights, self.version, self.checksum))
+                sampled = ray.get(self.actor.sample.remote(prompts, seed, self.version))
+                sampled.restarts = 1
+            return sampled
+        return result
 
 
 @ray.remote(num_cpus=1)

@@ -56,6 +56,9 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "startup_private_gb": startup_timeline(metrics, "startup_private_gb"),
         "data_wait_fraction": metrics["data_wait_fraction"],
         "step_seconds_mean_steady": metrics["step_seconds_mean_steady"],
+        # grpo: every worker's completions (and generated tokens) per second, and the trainers' time spent waiting
+        **{k: metrics[k] for k in ("completions_per_second", "generated_tokens_per_second", "trainer_idle_share")
+           if k in metrics},
         "first_step_seconds": metrics.get("first_step_seconds"),  # the last attempt's, of which waiting for data:
         "first_step_data_wait_seconds": metrics.get("first_step_data_wait_seconds"),
         "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],

@@ -67,7 +67,7 @@ def train_on_workers(trainer: TorchTrainer, data: Future) -> dict:
 
 class TrialReports(UserCallback):
     """A sweep trial's reports on their way to Ray Tune: each (rank 0's figures with the checkpoint's path, and
-    the checkpoint) goes onto the trial's queue, where app/launch/tuning.py hands it to `tune.report`, so that a
+    the checkpoint) goes onto the trial's queue, where app/launch/tune_sweep.py hands it to `tune.report`, so that a
     scheduler can stop the trial on it and PBT can copy the checkpoint into another trial. (Ray's own
     TuneReportCallback passes the figures only, and PBT needs the checkpoints.)"""
 

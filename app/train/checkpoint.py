@@ -38,7 +38,7 @@ class TrainerState:
     scheduler: dict
     initial_eval_loss: float  # of the untrained model, kept for the run's summary
     train_loss: float = float("nan")  # of the step saved: the summary of an attempt that trains no more steps
-    best: dict = field(default_factory=dict)  # app.evaluation.BestEvaluation.state()
+    best: dict = field(default_factory=dict)  # app.eval_tasks.BestEvaluation.state()
     stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
     initial_eval: dict = field(default_factory=dict)  # the untrained model's other eval figures (task metrics)
 

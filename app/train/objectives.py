@@ -26,7 +26,15 @@ from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pa
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
 from app.train.generation import generation_table
 from app.train.group import RankContext
-from app.train.grpo import METRIC_SUMS, figures_from_sums, metric_sums, normaliser_count, summed_loss, token_terms
+from app.train.grpo import (
+    METRIC_SUMS,
+    figures_from_sums,
+    importance_weights,
+    metric_sums,
+    normaliser_count,
+    summed_loss,
+    token_terms,
+)
 from app.train.loss import global_target_tokens, sampled_token_logps, scaled_micro_batch_loss
 from app.train.reward_eval import evaluate_rewards
 from app.train.rollouts import Scorer
@@ -151,12 +159,15 @@ class GroupRelative:
         logps, entropy = sampled_token_logps(model, batch, self.chunk_tokens, grpo.temperature)
         on = lambda key: batch[key].to(logps.device)
         old = on("old_logps") if "old_logps" in batch else logps.detach()  # first step on these answers: r = 1
+        sampler = on("sampler_logps")
+        tis = grpo.importance_correction == "tis"
+        weights = importance_weights(old, sampler, grpo.importance_cap) if tis else None
         terms = token_terms(logps, old, on("advantages"), grpo.epsilon, grpo.clip_high, grpo.beta,
-                            on("ref_logps") if grpo.beta else None)
+                            on("ref_logps") if grpo.beta else None, weights)
         mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(logps.device)
         loss_sum = summed_loss(terms[0], mask, grpo.loss_type, grpo.max_completion_tokens)
-        return loss_sum * (world_size / normaliser), loss_sum.detach(), metric_sums(terms, mask, entropy, logps,
-                                                                                    on("sampler_logps"))
+        return loss_sum * (world_size / normaliser), loss_sum.detach(), metric_sums(
+            terms, mask, entropy, logps, sampler, old, grpo.importance_cap)
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return figures_from_sums(sums, self.grpo.beta)

@@ -32,7 +32,7 @@ from app.train.dpo import reference_switch
 from app.train.grpo import group_advantages
 from app.train.loss import sampled_token_logps
 from app.train.rewards import combined
-from app.train.sampling import Completion, Sampler
+from app.train.sampling import Completion, Sampled, Sampler, adapter_checksum
 
 # prompts, completions, completion ids, the records' other columns, the first answer's number -> [answers, functions]
 Scorer = Callable[[list, list, list[list[int]], dict[str, list], int], np.ndarray]
@@ -42,25 +42,29 @@ NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # what TRL does not pa
 class Rollouts(Protocol):
     """The rollout side: holds the policy's adapter, samples answers with it."""
 
-    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in the adapter's weights of optimizer step `version`. Called by every rank with the same weights;
-        it returns once the rollout side holds them for every rank's next sample."""
+    def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
+        """Swap in the adapter's weights of optimizer step `version` (refused unless they match `checksum`). Called
+        by every rank with the same weights; it returns once the rollout side holds them for every rank's next
+        sample."""
 
-    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
-        """num_generations answers to each prompt, those of a prompt consecutive."""
+    def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
+        """num_generations answers to each prompt (those of a prompt consecutive), sampled with the adapter of step
+        `version` after what was submitted before, while the caller goes on; calling the result waits for them."""
 
 
 class LocalRollouts:
-    """A Sampler in the trainer's process, one per rank (the unit tests; what a rollout actor wraps in a job)."""
+    """A Sampler in the trainer's process, one per rank (the unit tests; what a rollout actor wraps in a job):
+    it samples at submit, so nothing overlaps."""
 
     def __init__(self, sampler: Sampler, grpo):
         self.sampler, self.grpo = sampler, grpo
 
-    def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.sampler.load_adapter(weights, version)
+    def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
+        self.sampler.load_adapter(weights, version, checksum)
 
-    def sample(self, prompts: list[list[int]], seed: int) -> list[Completion]:
-        return self.sampler.sample(prompts, self.grpo, seed)
+    def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
+        sampled = self.sampler.sample_with(prompts, self.grpo, seed, version)
+        return lambda: sampled
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:
@@ -83,7 +87,12 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
 
 class RolloutStream:
     """Micro-batches of scored answers for the recipe's steps (an iterator, as the SFT stream is). `step_of()`
-    says how many optimizer steps the run has taken."""
+    says how many optimizer steps the run has taken.
+
+    With grpo.max_staleness k > 0 the next k steps' prompts go to the rollout side right after each sync, with the
+    adapter just sent, and are sampled there while this rank trains (`ahead`): a batch trains at most k steps after
+    the adapter that sampled it. Every batch's adapter is checked: its step and checksum must be what this rank
+    sent, else the run stops (a lost or corrupted sync); one sampled more than k steps ago is sampled again."""
 
     def __init__(self, prompts: RankStream, rollouts: Rollouts, scorer: Scorer, cfg, rank: int, tokenizer, model,
                  step_of: Callable[[], int]):
@@ -92,7 +101,12 @@ class RolloutStream:
         self.device = prompts.device
         self.buffer: list[dict] = []  # micro-batches still to train, in order (num_iterations times each)
         self.synced_step: int | None = None  # the step whose adapter the rollout side holds (None: not yet sent)
+        self.sent: dict[int, str] = {}  # step -> checksum of the adapters sent that a batch may still carry
+        self.ahead: list[tuple[dict, int, Callable[[], Sampled]]] = []  # (prompts, adapter step, answers) to come
         self.figures: dict[str, float] = {}  # the last batch of rollouts', for the step that made it
+        self.restarts = 0  # rollout actors found restarted and sent the adapter again, this attempt
+        self.totals = {"completions": 0.0, "generated_tokens": 0.0, "idle_seconds": 0.0, "seconds": 0.0}
+        self.warmed_up = False  # an attempt's first step (its warm-up) is left out of the totals
 
     @property
     def pass_index(self) -> int:
@@ -112,28 +126,56 @@ class RolloutStream:
 
     def take_figures(self, step_seconds: float) -> dict[str, float]:
         """The last batch of rollouts' figures (once), with the share of the step that made it spent syncing,
-        generating and scoring (the rest: preparing and training)."""
+        waiting for answers and scoring, the trainer's idle share (syncing and waiting) and the rollout side's
+        (waiting for this request); the run's totals count every step but an attempt's first (its warm-up)."""
         figures, self.figures = self.figures, {}
+        if not figures or step_seconds <= 0:
+            return figures
+        idle = figures["rollout/sync_seconds"] + figures["rollout/generate_seconds"]
+        if self.warmed_up:
+            for key, value in (("completions", figures["rollout/completions"]), ("idle_seconds", idle),
+                               ("generated_tokens", figures["rollout/generated_tokens"]), ("seconds", step_seconds)):
+                self.totals[key] += value
+        self.warmed_up = True
         return figures | {f"rollout/{part}_share": figures[f"rollout/{part}_seconds"] / step_seconds
-                          for part in ("sync", "generate", "score") if figures and step_seconds > 0}
+                          for part in ("sync", "generate", "score")} | {
+            "rollout/trainer_idle_share": idle / step_seconds,
+            "rollout/actor_idle_share": min(figures["rollout/actor_idle_seconds"] / step_seconds, 1.0)}
+
+    def run_figures(self) -> dict[str, float]:
+        """The attempt's steady figures for the run's summary: completions and generated tokens per second (every
+        rank's), and the share of the trainers' time spent waiting for the rollout side."""
+        seconds, totals = self.totals["seconds"], self.totals
+        if not seconds:
+            return {}
+        return {"completions_per_second": totals["completions"] / seconds,
+                "generated_tokens_per_second": totals["generated_tokens"] / seconds,
+                "trainer_idle_share": totals["idle_seconds"] / seconds}
 
     def state(self) -> dict:
-        """What a checkpoint keeps of this rank's stream: the rollouts still to train (num_iterations > 1)."""
-        return {"buffer": self.buffer}
+        """What a checkpoint keeps of this rank's stream: the rollouts still to train (num_iterations > 1) and
+        those sampled ahead (their prompts are past the data position), with the checksums of their adapters."""
+        ahead = [(batch, version, handle()) for batch, version, handle in self.ahead]
+        self.ahead = [(batch, version, lambda sampled=sampled: sampled) for batch, version, sampled in ahead]
+        return {"buffer": self.buffer, "ahead": ahead, "sent": self.sent}
 
     def restore(self, state: dict) -> None:
         self.buffer = list(state.get("buffer", []))
+        self.ahead = [(batch, version, lambda sampled=sampled: sampled) for batch, version, sampled in
+                      state.get("ahead", [])]
+        self.sent = dict(state.get("sent", {}))
 
     def refill(self) -> None:
-        """The next batch of rollouts: the adapter synced, answers sampled and scored, rows built."""
+        """The next batch of rollouts: the adapter synced, answers sampled (or taken from those sampled ahead) and
+        scored, rows built."""
         step, grpo = self.step_of(), self.cfg.grpo
         started = time.perf_counter()
         sync_bytes = self.sync(step)
         synced = time.perf_counter()
-        batch = next(self.prompts)
-        prompts = [ids[:n].tolist() for ids, n in zip(batch["prompt_input_ids"], batch["prompt_length"].tolist())]
-        completions = self.rollouts.sample(prompts, sampling_seed(self.cfg.train.seed, step, self.rank))
-        sampled = time.perf_counter()
+        batch, sampled = self.next_rollouts(step)
+        completions = sampled.completions
+        sampled_at = time.perf_counter()
+        prompts = prompt_lists(batch)
         records = [record for record in (json.loads(r) for r in batch["record"]) for _ in range(grpo.num_generations)]
         per_function = self.score(records, completions)
         scored = time.perf_counter()
@@ -148,16 +190,69 @@ class RolloutStream:
         self.buffer = [mb for _ in range(grpo.num_iterations) for mb in micro_batches]
         self.figures = stats | {"frac_reward_zero_std": frac_over_ranks(zero_std[real], real.sum())} | {
             "rollout/sync_bytes": sync_bytes, "rollout/sync_seconds": synced - started,
-            "rollout/generate_seconds": sampled - synced, "rollout/score_seconds": scored - sampled,
-            "rollout/prepare_seconds": time.perf_counter() - scored}
+            "rollout/generate_seconds": sampled_at - synced, "rollout/score_seconds": scored - sampled_at,
+            "rollout/prepare_seconds": time.perf_counter() - scored} | self.sampling_figures(step, sampled)
+
+    def next_rollouts(self, step: int) -> tuple[dict, Sampled]:
+        """This step's prompts and their answers, checked: those sampled ahead if no more than max_staleness steps
+        old, else sampled now; then the next steps' prompts handed to the rollout side with the adapter of `step`."""
+        if self.ahead:
+            batch, version, handle = self.ahead.pop(0)
+            if step - version > self.cfg.grpo.max_staleness:  # a resumed run that now allows less: sampled anew
+                version, handle = step, self.submit(batch, step, step)
+        else:
+            batch = next(self.prompts)
+            version, handle = step, self.submit(batch, step, step)
+        while len(self.ahead) < self.cfg.grpo.max_staleness:
+            later = next(self.prompts)
+            self.ahead.append((later, step, self.submit(later, step + 1 + len(self.ahead), step)))
+        return batch, self.verified(handle(), version, step)
+
+    def submit(self, batch: dict, trains_at: int, version: int) -> Callable[[], Sampled]:
+        """The batch's prompts to the rollout side, seeded by the step they train after (the same answers at any
+        staleness but for the adapter)."""
+        return self.rollouts.submit(prompt_lists(batch), sampling_seed(self.cfg.train.seed, trains_at, self.rank),
+                                    version)
+
+    def verified(self, sampled: Sampled, asked: int, step: int) -> Sampled:
+        """The answers, if the adapter that sampled them is one this rank sent, no more than max_staleness steps
+        old, and the one asked for (or the current one, re-sent to a restarted actor); else the run stops."""
+        self.restarts += sampled.restarts
+        fresh = step - sampled.version <= self.cfg.grpo.max_staleness
+        if (sampled.completions is None or not fresh or self.sent.get(sampled.version) != sampled.checksum
+                or (sampled.version != asked and not sampled.restarts)):
+            raise RuntimeError(f"rank {self.rank}: the rollout side answered with the adapter of step "
+                               f"{sampled.version} (checksum {sampled.checksum or 'none'}) where step {asked} "
+                               f"(checksum {self.sent.get(asked)}) was asked for, at step {step}: a sync was lost "
+                               "or changed; the run stops rather than train on these answers")
+        return sampled
+
+    def sampling_figures(self, step: int, sampled: Sampled) -> dict[str, float]:
+        """The batch's staleness (mean and max over ranks), the rollout side's idle time before it, the restarts
+        seen, and the completions and generated tokens of every rank."""
+        figures = torch.tensor([step - sampled.version, step - sampled.version, sampled.idle_seconds,
+                                self.restarts, len(sampled.completions),
+                                sum(len(c.ids) for c in sampled.completions)], dtype=torch.float64)
+        if dist.is_initialized():
+            most = figures.clone()
+            dist.all_reduce(figures)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            figures[1] = most[1]
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        return {"rollout/staleness_mean": figures[0].item() / ranks, "rollout/staleness_max": figures[1].item(),
+                "rollout/actor_idle_seconds": figures[2].item() / ranks, "rollout/actor_restarts": figures[3].item(),
+                "rollout/completions": figures[4].item(), "rollout/generated_tokens": figures[5].item()}
 
     def sync(self, step: int) -> float:
         """The adapter of `step` to the rollout side, if it does not hold it yet; the bytes sent."""
         if self.synced_step == step:
             return 0.0
         weights = gather_trainable_state(self.model)  # a collective: every rank is here at the same step
-        self.rollouts.sync(weights, step)
+        checksum = adapter_checksum(weights)
+        self.rollouts.sync(weights, step, checksum)
         self.synced_step = step
+        self.sent = {version: sent for version, sent in self.sent.items()
+                     if step - version <= self.cfg.grpo.max_staleness} | {step: checksum}
         return float(sum(t.numel() * t.element_size() for t in weights.values()))
 
     def score(self, records: list[dict], completions: list[Completion]) -> np.ndarray:
@@ -198,6 +293,11 @@ class RolloutStream:
             with reference_switch(self.model):
                 batch["ref_logps"] = sampled_token_logps(self.model, inputs, chunk, grpo.temperature)[0].cpu()
         return batch
+
+
+def prompt_lists(batch: dict) -> list[list[int]]:
+    """A batch's prompts as token id lists, without their padding."""
+    return [ids[:n].tolist() for ids, n in zip(batch["prompt_input_ids"], batch["prompt_length"].tolist())]
 
 
 def completion_rows(rows: list[tuple[list[int], Completion]], trains: list[bool], pad: int) -> dict:

@@ -10,6 +10,8 @@ log-probabilities of the same tokens must match.
 
 from __future__ import annotations
 
+import hashlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,25 +39,63 @@ class Completion:
     truncated: bool
 
 
+@dataclass
+class Sampled:
+    """What the rollout side answers a request with: the answers (None when it holds another adapter than the one
+    asked for), the step and checksum of the adapter it holds, and how long it had waited for the request since
+    its last work (its idle time)."""
+
+    completions: list[Completion] | None
+    version: int
+    checksum: str
+    idle_seconds: float = 0.0
+    restarts: int = 0  # times the rollout side was found restarted (holding the starting adapter) and re-sent it
+
+
+def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
+    """A digest of an adapter's weights (their names and fp32 values): what the trainer sent and what the rollout
+    side received must agree."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class Sampler:
     def __init__(self, model: nn.Module, end_ids: list[int], pad_id: int, device: torch.device | str = "cpu"):
         self.model, self.end_ids, self.pad_id, self.device = model.eval(), list(end_ids), pad_id, torch.device(device)
         self.names = {name for name, param in model.named_parameters() if param.requires_grad}
         for param in model.parameters():
             param.requires_grad_(False)
-        self.version = -1  # the optimizer step whose adapter it holds (-1: the starting one)
+        self.version, self.checksum = -1, ""  # the optimizer step whose adapter it holds (-1: the starting one)
+        self.idle_since = time.perf_counter()  # when its last work ended
 
     @torch.no_grad()
-    def load_adapter(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
         """The trained adapter's weights, by parameter name (the trainer's FSDP2 model and this one are the same
-        PEFT model, so the names are the same): every LoRA weight, or none."""
+        PEFT model, so the names are the same): every LoRA weight, or none; refused (ValueError) when they are not
+        what the trainer sent (`checksum`)."""
         if set(weights) != self.names:
             missing = sorted(self.names - set(weights)) or sorted(set(weights) - self.names)
             raise ValueError(f"the adapter sent to the sampler does not match its model (first: {missing[0]})")
+        received = adapter_checksum(weights)
+        if checksum is not None and received != checksum:
+            raise ValueError(f"the adapter of step {version} arrived changed (checksum {received}, sent {checksum}): "
+                             "the sync is refused")
         parameters = dict(self.model.named_parameters())
         for name, value in weights.items():
             parameters[name].copy_(value.to(parameters[name].dtype))
-        self.version = version
+        self.version, self.checksum, self.idle_since = version, received, time.perf_counter()
+
+    def sample_with(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, version: int) -> Sampled:
+        """`sample` with the adapter of step `version`; no answers if it holds another."""
+        idle = time.perf_counter() - self.idle_since
+        if version != self.version:
+            return Sampled(None, self.version, self.checksum, idle)
+        completions = self.sample(prompts, grpo, seed)
+        self.idle_since = time.perf_counter()
+        return Sampled(completions, self.version, self.checksum, idle)
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:

@@ -1,6 +1,7 @@
 """GRPO end to end on a real embedded Ray cluster: the shipped jobs/configs/embedded_grpo.yaml through the
-TorchTrainer, a RolloutActor sampling beside the gloo workers (adapter-only sync after each step), the demo's
-reward file and an MLflow store; the adapter then checked outside the product, with plain transformers + PEFT
+TorchTrainer, a RolloutActor sampling beside the gloo workers (adapter-only sync after each step, checked by its
+checksum; the next step's prompts sampled while the workers train: grpo.max_staleness=1), the demo's reward file
+and an MLflow store; the adapter then checked outside the product, with plain transformers + PEFT
 (benchmarks/exact_match.py), against the figures the job reported."""
 
 import json
@@ -32,6 +33,7 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
         f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=4", "train.eval_every=2", "train.log_every=1",
         "train.checkpoint_every=2", "train.global_batch_size=32", "train.micro_batch_size=8",
         "grpo.num_generations=4", "train.run_name=grpo", "data.max_eval_rows=24",
+        "grpo.max_staleness=1", "grpo.importance_correction=tis",
         "model.dtype=float32", "fsdp.param_dtype=float32"])  # the check below decodes in fp32 too
     summary = run_finetune(cfg)
     assert summary["steps"] == 4 and summary["final_eval_loss"] is None
@@ -40,6 +42,9 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
     assert run.info.status == "FINISHED" and run.data.params["train.objective"] == "grpo"
     for name in TRL_NAMES:  # every step samples a new batch (num_iterations 1): every step has them
         assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 5)), name
+    staleness = client.get_metric_history(run.info.run_id, "rollout/staleness_max")
+    assert [m.value for m in sorted(staleness, key=lambda m: m.step)] == [0, 1, 1, 1]  # sampled a step ahead
+    assert summary["completions_per_second"] > 0 and 0 <= summary["trainer_idle_share"] < 1
     sync = client.get_metric_history(run.info.run_id, "rollout/sync_bytes")
     assert 0 < sync[0].value < 4 * 2**20  # the LoRA weights alone (~1 MB here), never the base
     for name in ("eval_reward", "eval_rewards/exact_words/mean", "eval_exact_match"):

@@ -152,7 +152,7 @@ LM_EVAL_ROUTES = {"local-completions": "completions", "local-chat-completions": 
 def _lm_eval_on_the_server(client, backend: str, tasks: list[str], evaluation, **settings) -> dict:
     from lm_eval import simple_evaluate
 
-    from app.evaluation.harness import task_manager
+    from app.eval_tasks.harness import task_manager
 
     url = f"{str(client.base_url).rstrip('/')}/{LM_EVAL_ROUTES[backend]}"
     return simple_evaluate(
@@ -170,7 +170,7 @@ def test_lm_eval_scores_the_server_as_its_hf_backend_scores_the_adapter(served, 
     """lm-evaluation-harness's `local-completions` (loglikelihood: echo + logprobs over token ids, batched;
     generation) and `local-chat-completions` against the served adapter get what its Hugging Face backend
     gets on the same adapter folder: the same likelihood per answer, the same greedy answers, the same scores."""
-    from app.evaluation.harness import Evaluation, run_harness
+    from app.eval_tasks.harness import Evaluation, run_harness
 
     client, adapters = served
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what lm-eval's API models send as the bearer key

@@ -15,9 +15,9 @@ RAY_MODULES = {
     "app.launch.data_build",  # Ray Data, the pass coordinator actor
     "app.launch.trainer",  # the TorchTrainer
     "app.launch.rollout_group",  # GRPO's rollout actors and reward tasks
-    "app.launch.tuning",  # Ray Tune: a sweep's trials, schedulers and books
+    "app.launch.tune_sweep",  # Ray Tune: a sweep's trials, schedulers and books
     "app.launch.rank",  # Ray Train's context, checkpoints and preemption notices inside a worker
-    "app.launch.evaluation",  # an lm-eval run as a one-GPU task
+    "app.launch.eval_tasks",  # an lm-eval run as a one-GPU task
     "app.launch.recording",  # the Ray job id, for the MLflow run's tags
     "app.launch.console",  # quiets Ray's own loggers
     "app.data.pipeline",  # Ray Data: read, tokenize

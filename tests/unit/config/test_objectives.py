@@ -11,7 +11,7 @@ from app.config.loading import load_config
 from app.config.objectives import OBJECTIVES
 from app.config.sections import TrainSection
 from app.errors import UserInputError
-from app.launch.sweep import results_table
+from app.launch.grid_sweep import results_table
 
 REPO = Path(__file__).resolve().parents[3]
 OWNERS = {"app/config/objectives.py", "app/train/objectives.py"}

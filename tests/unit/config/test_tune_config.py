@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.config.loading import load_config
-from app.config.space import check_space, with_values
+from app.config.sweep_space import check_space, with_values
 from app.config.tune import Dimension, parse_dimension
 from app.errors import UserInputError
 from tests.helpers import EMBEDDED_CONFIG

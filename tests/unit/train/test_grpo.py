@@ -12,7 +12,15 @@ from app.config.loading import load_config
 from app.data.chat import IGNORE_INDEX
 from app.errors import UserInputError
 from app.plan.plan import Plan
-from app.train.grpo import group_advantages, normaliser_count, summed_loss, token_terms
+from app.train.grpo import (
+    figures_from_sums,
+    group_advantages,
+    importance_weights,
+    metric_sums,
+    normaliser_count,
+    summed_loss,
+    token_terms,
+)
 from app.train.objectives import GroupRelative
 from app.train.rewards import RewardError, call_reward, combined, load_reward_function, score
 from tests.helpers import EMBEDDED_CONFIG, REPO
@@ -171,3 +179,32 @@ def test_none_means_does_not_apply_and_counts_zero_in_the_weighted_sum(tmp_path)
 def test_reward_functions_are_named_unambiguously():
     with pytest.raises(ValueError, match="two functions are named f"):
         GrpoSection(reward_funcs=["a.py:f", "b.py:f"])
+
+
+def test_truncated_importance_sampling_equals_its_formula_by_hand():
+    """grpo.importance_correction=tis: each token's loss times min(pi_old / pi_sampler, cap), detached; the
+    figures count the ratio's mean and the share of tokens over the cap."""
+    logps, old, _, advantages, mask = _toy_batch()
+    sampler = old + torch.tensor([[0.5, -0.9, 0.0, 0.1, 0.2], [-0.2, 0.3, -1.5, 0.0, -0.8], [0.0, 0.0, 0.4, -0.7, 1.0]],
+                                 dtype=torch.float64)  # the sampler likelier, as likely, less likely: ratios past 2
+    weights = importance_weights(old, sampler, cap=2.0)
+    plain, *_ = token_terms(logps, old, advantages, 0.2, 0.28)
+    weighted, *_ = token_terms(logps, old, advantages, 0.2, 0.28, weights=weights)
+    for i in range(old.shape[0]):
+        for t in range(old.shape[1]):
+            w = min(math.exp(old[i, t].item() - sampler[i, t].item()), 2.0)
+            assert weighted[i, t].item() == pytest.approx(w * plain[i, t].item(), rel=1e-12, abs=1e-15)
+    assert not weights.requires_grad and weights.max().item() == pytest.approx(2.0)
+    sums = metric_sums((weighted, torch.zeros_like(old), plain > 1e9, plain > 1e9), mask, torch.zeros_like(old),
+                       logps, sampler, old, 2.0)
+    figures = figures_from_sums(sums.tolist(), 0.0)
+    ratios = torch.exp(old - sampler)[mask.bool()]
+    assert figures["rollout/is_ratio_mean"] == pytest.approx(ratios.mean().item(), rel=1e-12)
+    assert figures["rollout/is_truncated_share"] == pytest.approx((ratios > 2.0).double().mean().item())
+
+
+def test_staleness_counts_optimizer_steps_so_it_refuses_several_iterations_per_batch():
+    base = ["train.objective=grpo", "grpo.reward_funcs=[jobs/rewards.py:exact_words]", "grpo.max_staleness=1"]
+    with pytest.raises(UserInputError, match=r"grpo.max_staleness=1 with grpo.num_iterations=2: .*use one of them$"):
+        load_config(EMBEDDED_CONFIG, [*base, "grpo.num_iterations=2"])
+    assert load_config(EMBEDDED_CONFIG, base).grpo.importance_correction == "none"  # the on-policy default kept

@@ -4,8 +4,8 @@ process, the scorer the demo's reward file, checkpoints a directory.
 - The sampler's log-probabilities of the tokens it sampled are the trainer's (FSDP2-sharded) log-probabilities of
   them, and the first optimizer step on fresh answers takes the ratio at 1.
 - 1 and 2 workers take the same step on the same rollouts, for each loss variant.
-- A run restored from a checkpoint taken between two optimizer steps on one batch of rollouts (num_iterations=2)
-  samples and takes the very steps the uninterrupted run took.
+- A run restored from a checkpoint taken between two optimizer steps on one batch of rollouts (num_iterations=2),
+  or with a batch sampled ahead (max_staleness=1), samples and takes the very steps the uninterrupted run took.
 """
 
 import functools
@@ -108,7 +108,7 @@ def _one_step(rank: int, world: int, embedded: dict, out: str, rollouts_file: st
     everything = torch.load(rollouts_file, weights_only=False)
     results = {}
     for loss_type in ("grpo", "dr_grpo", "dapo"):
-        step_cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"loss_type": loss_type})})
+        step_cfg = cfg.with_set({"grpo.loss_type": loss_type})
         model = build_training_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, ctx.device)
         with torch.no_grad():
             for p in trainable_parameters(model):
@@ -148,10 +148,10 @@ def test_one_and_two_workers_take_the_same_step_on_the_same_rollouts(embedded, t
                                        msg=f"{loss_type} {name}")
 
 
-def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
+def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: str) -> None:
     cfg, ctx, train_pass, eval_pass, scorer = _grpo_rank(
         rank, world, embedded, out, "train.max_steps=6", "train.checkpoint_every=3", "train.eval_every=3",
-        "train.log_every=1", "grpo.num_iterations=2", "train.sample_prompts=2")
+        "train.log_every=1", "train.sample_prompts=2", *overrides)
     results = {}
     for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step3")):
         tracker = RecordingTracker()
@@ -163,17 +163,23 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str) -> None:
         (Path(out) / "results.json").write_text(json.dumps(results, default=float))
 
 
-def test_a_restored_run_samples_and_takes_the_steps_the_uninterrupted_run_took(embedded, tmp_path):
-    run_ranks(_train_twice, 2, embedded, str(tmp_path))
+@pytest.mark.parametrize("overrides", [("grpo.num_iterations=2",),
+                                       ("grpo.max_staleness=1", "grpo.importance_correction=tis")])
+def test_a_restored_run_samples_and_takes_the_steps_the_uninterrupted_run_took(overrides, embedded, tmp_path):
+    run_ranks(_train_twice, 2, embedded, str(tmp_path), *overrides)
     results = json.loads((tmp_path / "results.json").read_text())
     whole = {int(s): m for s, m in results["whole"]["metrics"].items()}
     restored = {int(s): m for s, m in results["restored"]["metrics"].items()}
     assert sorted(s for s in whole if "train_loss" in whole[s]) == list(range(1, 7))
-    assert [s for s in whole if "reward" in whole[s]] == [1, 3, 5]  # one batch of rollouts every num_iterations steps
+    ahead = "grpo.max_staleness=1" in overrides  # a batch every step, sampled a step ahead; else every 2 steps
+    assert [s for s in whole if "reward" in whole[s]] == ([1, 2, 3, 4, 5, 6] if ahead else [1, 3, 5])
+    if ahead:
+        assert [whole[s]["rollout/staleness_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
+        assert whole[4]["rollout/staleness_max"] == restored[4]["rollout/staleness_max"] == 1  # kept in the checkpoint
     assert {"eval_reward", "eval_rewards/exact_words/mean", "eval_exact_match"} <= whole[3].keys()
     assert np.isfinite([whole[s]["entropy"] for s in range(1, 7)]).all()
     for step in (4, 5, 6):  # step 4 trains the rollouts the checkpoint kept; 5 samples afresh, seeded alike
-        for key in ("train_loss", "grad_norm", "reward", "entropy"):
+        for key in ("train_loss", "grad_norm", "reward", "entropy", "rollout/is_ratio_mean"):
             if key in whole[step]:
                 assert restored[step][key] == pytest.approx(whole[step][key], rel=1e-6, abs=1e-9), (step, key)
     assert results["restored"]["summary"]["final_eval_reward"] == pytest.approx(

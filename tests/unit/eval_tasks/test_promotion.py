@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from app.evaluation.promotion import NOT_PROMOTED, decide
+from app.eval_tasks.promotion import NOT_PROMOTED, decide
 from tests.helpers import register_adapter
 
 NAME = "speller-gate"

@@ -13,7 +13,7 @@ import os
 import ray
 
 from app.environment import joins_a_cluster
-from app.evaluation.harness import Evaluation, run_harness
+from app.eval_tasks.harness import Evaluation, run_harness
 from app.tracking.adapters import adapter_folder
 
 

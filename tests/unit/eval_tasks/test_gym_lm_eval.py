@@ -9,8 +9,8 @@ import reasoning_gym
 
 from app.data.gym_tasks import write_task_source
 from app.errors import UserInputError
-from app.evaluation.gym_lm_eval import process_results, with_gym_tasks
-from app.evaluation.harness import Evaluation, run_harness, scores
+from app.eval_tasks.gym_lm_eval import process_results, with_gym_tasks
+from app.eval_tasks.harness import Evaluation, run_harness, scores
 
 pytestmark = pytest.mark.slow
 

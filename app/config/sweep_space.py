@@ -1,6 +1,6 @@
 """A sweep's trials as configs: each key of `tune.space` checked against the config before the first trial starts
 (the key exists, and the run is valid at each choice and at both ends of each range), and a trial's config
-made from the sampled values. Plain functions: app/launch/tuning.py hands them Ray Tune's samples."""
+made from the sampled values. Plain functions: app/launch/tune_sweep.py hands them Ray Tune's samples."""
 
 from __future__ import annotations
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from app.config.paths import input_path
 from app.data.gym_tasks import SCHEME, parse_spec, score_answer, write_task_source
 from app.errors import UserInputError
-from app.evaluation.harness import Evaluation
+from app.eval_tasks.harness import Evaluation
 
 PREFIX = "rg_"
 DEFAULT_PROBLEMS = "size=64&seed=1000"
 FOLDER = ".cache/lm_eval_tasks"
 MAX_ANSWER_TOKENS = 48
-MODULE = "from app.evaluation.gym_lm_eval import problems, process_results  # noqa: F401\n"
+MODULE = "from app.eval_tasks.gym_lm_eval import problems, process_results  # noqa: F401\n"
 
 
 def gym_spec(task: str) -> str | None:

@@ -29,7 +29,7 @@ from ray.util.queue import Queue
 
 from app.config.objectives import LOWER_IS_BETTER
 from app.config.schema import FinetuneConfig
-from app.config.space import with_values
+from app.config.sweep_space import with_values
 from app.errors import first_line, warn
 from app.launch.background import in_background
 from app.launch.cluster import init_ray

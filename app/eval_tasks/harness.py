@@ -2,7 +2,7 @@
 given, a PEFT adapter on it: the field's standard metrics, not a copy of them.
 
 Tasks are lm-eval's (hub tasks by name, where their data can be read) and those of the task folders given,
-always including this project's own (`app/evaluation/tasks`: the embedded demo's spelling, generated and by
+always including this project's own (`app/eval_tasks/tasks`: the embedded demo's spelling, generated and by
 likelihood). Plain functions, no Ray: jobs/evaluate.py places them.
 """
 

@@ -3,13 +3,14 @@ Ray tasks beside them.
 
 The driver starts `grpo.rollout_workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
 each holding the frozen base once and the policy's adapter (app/train/sampling.py). After each optimizer step
-the training ranks gather the adapter's full weights from their FSDP2 shards, rank 0 puts them in the object
-store once and every actor swaps them in, checked against the checksum the trainers computed: a few MB, never
-the base. Rank r samples with actor r (modulo the group); each answer comes back with the step and checksum of
-the adapter that sampled it, which the trainer checks (app/train/rollouts.py). With grpo.max_staleness the
-actors sample the next steps' prompts while the trainers train (an actor runs its calls one at a time, in
-order). An engine that hot-loads LoRA adapters (vLLM) can take the actors' place behind the same two calls,
-`load` and `sample`; this one is transformers' batched `generate`, which runs wherever the trainer does.
+the training ranks gather the adapter's full weights from their FSDP2 shards, each rank puts them in the object
+store and its actor swaps them in before that rank's next request, checked against the checksum
+the trainers computed: a few MB, never the base. Rank r samples with actor r (modulo the group); each answer
+comes back with the step and checksum of the adapter that sampled it, which the trainer checks
+(app/train/rollouts.py). With grpo.max_staleness the actors sample the next steps' prompts while the trainers
+train (an actor runs one caller's calls one at a time, in order). An engine that hot-loads LoRA adapters (vLLM)
+can take the actors' place behind the same two calls, `load` and `sample`; this one is transformers' batched
+`generate`, which runs wherever the trainer does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Callable
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 
 from app.config.schema import FinetuneConfig
 from app.train import rewards
@@ -67,25 +67,26 @@ class RayRollouts:
         self.actors, self.rank = actors, rank
         self.actor = actors[rank % len(actors)]
         self.weights, self.version, self.checksum = None, -1, ""  # the adapter the actors hold: in the store, step
+        self.loaded = None  # this rank's last load call to its actor
 
     def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
-        """Rank 0 sends the weights (one object in the store, read by every actor) and hands every rank its
-        reference (to send again to an actor that restarted); every rank waits until all actors hold them."""
-        shared = [ray.put(weights) if self.rank == 0 else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(shared, src=0)
-        self.weights, self.version, self.checksum = shared[0], version, checksum
-        if self.rank == 0:
-            ray.get([actor.load.remote(self.weights, version, checksum) for actor in self.actors])
-        if dist.is_initialized():
-            dist.barrier()
+        """This rank puts the weights (every rank holds them whole) in the object store, asks its actor to load them
+        and goes on: an actor runs one caller's calls in order, so this rank's next requests find them loaded (an
+        actor that two ranks share loads them twice: a few MB), and nobody waits for an actor still sampling what
+        was asked before. (A reference handed over by another rank could not be passed on: Ray refuses a reference
+        whose owner it does not know.)"""
+        self.weights, self.version, self.checksum = ray.put(weights), version, checksum
+        self.loaded = self.actor.load.remote(self.weights, version, checksum)
 
     def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
-        """Sampling starts on this rank's actor (after what it was asked before); the call returns its answers.
-        An actor found restarted (it holds the starting adapter again) gets the current one and samples anew."""
-        pending = self.actor.sample.remote(prompts, seed, version)
+        """Sampling starts on this rank's actor (after what it was asked before); the call returns its answers (or
+        raises why the adapter's load before them was refused). An actor found restarted (it holds the starting
+        adapter again) gets the current one and samples anew."""
+        loaded, pending = self.loaded, self.actor.sample.remote(prompts, seed, version)
 
         def result() -> Sampled:
+            if loaded is not None:
+                ray.get(loaded)
             sampled = ray.get(pending)
             if sampled.completions is None and sampled.version == -1:
                 ray.get(self.actor.load.remote(self.weights, self.version, self.checksum))

@@ -5,6 +5,7 @@ and inductor's caches where every rank, attempt and job of the storage finds the
 
 from __future__ import annotations
 
+import re
 import sys
 
 from app.environment import shared_storage
@@ -51,4 +52,5 @@ def measured_params(plan: Plan) -> dict[str, object]:
     (`plan.<key>`; not whether the verdict was measured or remembered: a resumed run logs the same params)."""
     values = plan.cfg.flat()
     return ({f"resolved.{key}": values[key] for key in sorted(MEASURED_ON_WORKERS)}
-            | {f"plan.{key}": why.split("; ")[0] for key, why in plan.reasons.items() if key in MEASURED_ON_WORKERS})
+            | {f"plan.{key}": re.sub(r"; (measured|remembered)\)$", ")", why) for key, why in plan.reasons.items()
+               if key in MEASURED_ON_WORKERS})

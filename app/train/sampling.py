@@ -43,7 +43,7 @@ class Completion:
 class Sampled:
     """What the rollout side answers a request with: the answers (None when it holds another adapter than the one
     asked for), the step and checksum of the adapter it holds, and how long it had waited for the request since
-    its last work (its idle time)."""
+    its last answer (its idle time)."""
 
     completions: list[Completion] | None
     version: int
@@ -69,7 +69,7 @@ class Sampler:
         for param in model.parameters():
             param.requires_grad_(False)
         self.version, self.checksum = -1, ""  # the optimizer step whose adapter it holds (-1: the starting one)
-        self.idle_since = time.perf_counter()  # when its last work ended
+        self.idle_since = time.perf_counter()  # when its last request was answered
 
     @torch.no_grad()
     def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
@@ -86,7 +86,7 @@ class Sampler:
         parameters = dict(self.model.named_parameters())
         for name, value in weights.items():
             parameters[name].copy_(value.to(parameters[name].dtype))
-        self.version, self.checksum, self.idle_since = version, received, time.perf_counter()
+        self.version, self.checksum = version, received  # a load is no request: the idle time runs on
 
     def sample_with(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, version: int) -> Sampled:
         """`sample` with the adapter of step `version`; no answers if it holds another."""

@@ -115,16 +115,28 @@ def _training_processes(run_name: str, ray_tmp: str) -> list[str]:
     a descendant of the stack's raylet (the test session's own Ray cluster is not looked at)."""
     left = []
     for proc in psutil.process_iter(["cmdline"]):
-        try:
-            command = " ".join(proc.info["cmdline"] or [])
-            if run_name in command and "jobs.finetune" in command:
-                left.append(command)
-            elif "raylet" in command and ray_tmp in command:
-                left += [" ".join(child.cmdline()) for child in proc.children(recursive=True)
-                         if any(name in " ".join(child.cmdline()) for name in ("RayTrainWorker", "TrainController"))]
-        except psutil.NoSuchProcess:
-            pass
+        command = " ".join(proc.info["cmdline"] or [])
+        if run_name in command and "jobs.finetune" in command:
+            left.append(command)
+        elif "raylet" in command and ray_tmp in command:
+            left += [child for child in map(_command_line, _children(proc))
+                     if any(name in child for name in ("RayTrainWorker", "TrainController"))]
     return left
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _command_line(proc: psutil.Process) -> str:
+    """'' for a process that ended meanwhile (one of the raylet's idle workers, say): the others still count."""
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
 
 
 def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_processes(stack):
@@ -145,7 +157,7 @@ def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_p
         pytest.fail(submit_cli(stack, "logs", run_name).stdout[-3000:])
 
     running = _training_processes(run_name, stack["raytmp"])
-    assert any("RayTrainWorker" in p for p in running) and any("jobs.finetune" in p for p in running)
+    assert any("RayTrainWorker" in p for p in running) and any("jobs.finetune" in p for p in running), running
     stopped = submit_cli(stack, "stop", run_name, "--wait")
     assert stopped.stdout.strip() == f"{run_name}: STOPPED", stopped.stdout + stopped.stderr
     assert client.get_run(runs[0].info.run_id).info.status == "KILLED"

@@ -134,6 +134,14 @@ class RunClaim(ABC):
         self._touch(owner)
         return True
 
+    def _new_owner(self, wait_seconds: float = 2.0) -> dict:
+        """The owner of a claim just taken over, given a moment to be written: a job creates its claim, then
+        writes it, and a reader between the two finds it empty."""
+        deadline = time.monotonic() + wait_seconds
+        while not (owner := self.owner_now()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return owner
+
     def release(self, owner: dict) -> None:
         if self.owner_now() == owner:
             self.run_dir.delete(WRITER_CLAIM)
@@ -159,7 +167,7 @@ class RunClaim(ABC):
             try:
                 if not self.renew(owner):
                     reason = (f"{self.file}: this job's claim on the run was taken over by another job "
-                              f"({describe_owner(self.owner_now())}); this job stops writing the run")
+                              f"({describe_owner(self._new_owner())}); this job stops writing the run")
                     if on_lost is None:
                         warn(reason)
                     else:

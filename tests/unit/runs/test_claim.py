@@ -127,6 +127,23 @@ def test_a_claim_from_another_host_lives_while_its_owner_renews_it(tmp_path, mon
     assert claim.current().owner["host"] != "another-node"
 
 
+def test_a_lost_claim_names_the_new_owner_even_when_read_between_its_create_and_its_write(tmp_path, monkeypatch):
+    monkeypatch.setattr("app.runs.claim.LEASE_SECONDS", 0.5)  # renewed every 0.05 s
+    claim, owner = claim_of(RunDir(str(tmp_path / "run"))), this_process()
+    claim.take(owner)
+    reasons: list[str] = []
+    with claim.lease(owner, on_lost=reasons.append):
+        Path(claim.file).write_text("")  # the new owner has created its claim, not yet written it
+        time.sleep(0.3)  # the renewer has seen the claim is no longer this job's
+        new_owner = owner | {"pid": owner["pid"] + 1, "since": "then"}
+        Path(claim.file).write_text(json.dumps(new_owner))
+        deadline = time.time() + 5
+        while not reasons and time.time() < deadline:
+            time.sleep(0.02)
+    [reason] = reasons
+    assert f"pid {owner['pid'] + 1} on {owner['host']}, since then" in reason and "unknown" not in reason
+
+
 def test_two_jobs_taking_over_one_stale_claim_at_once_leave_exactly_one_owner(cfg):
     stale = json.dumps(ended_process())
     switching = sys.getswitchinterval()

@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="the sweep's name (its folder, MLflow parent run); default tune-CONFIG-TIME")
     parser.add_argument("--resume", metavar="NAME", help="continue this stopped sweep (its recorded config)")
     parser.add_argument("--verbose", action="store_true", help="show Ray's own lines and Tune's progress table")
+    parser.add_argument("--in-one-job", action="store_true", help="train the trials as adapters of one job over one "
+                        "base (a space of keys an adapter sets: lora.r, lora.alpha, train.learning_rate, ...)")
     return parser.parse_args(argv)
 
 
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def tune_sweep(args: argparse.Namespace) -> int:
     cfg, name = sweep_config(args), sweep_name(args)
+    if args.in_one_job:
+        return one_job_sweep(args, cfg, name)
     from app.launch.inputs import check_tracking_server, plan_files  # after the config is known good
 
     if args.resume and not cfg.output.run(name).exists("sweep.json"):
@@ -129,6 +133,20 @@ def tune_sweep(args: argparse.Namespace) -> int:
         print(f"sweep {name} was stopped; continue it with: python -m jobs.tune --config {args.config} "
               f"--resume {name}", file=sys.stderr, flush=True)
     return 1 if summary["status"] == "KILLED" or summary["trials_failed"] else 0
+
+
+def one_job_sweep(args: argparse.Namespace, cfg: FinetuneConfig, name: str) -> int:
+    """The trials as adapters of one finetune job named after the sweep; its JSON summary, the best adapter in it."""
+    if args.resume:
+        raise UserInputError(f"--resume {args.resume} --in-one-job: the sweep is one job; continue it with "
+                             f"python -m jobs.finetune --config {args.config} --resume {args.resume} and the "
+                             "adapters its run recorded (config/resolved.yaml in its MLflow run)")
+    ensure_embedded(cfg)
+    from app.launch.adapter_sweep import sweep_in_one_job  # imports Ray and Tune: only after the checks
+
+    summary = sweep_in_one_job(cfg, name)
+    print(json.dumps(summary), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

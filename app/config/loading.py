@@ -17,16 +17,24 @@ from pydantic import ValidationError
 
 from app.config import paths
 from app.config.objectives import objective_of
-from app.config.schema import FinetuneConfig
+from app.config.schema import FinetuneConfig, entry_model
 from app.errors import UserInputError, first_line
 from app.runs.layout import OutputDir
+
+LISTS = ("adapters",)  # fields that are lists of entries, not sections
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     section, _, key = dotted.partition(".")
+    if section in LISTS:  # every entry at once: --set 'adapters=[{name: a, r: 8}, ...]'
+        if key:
+            raise UserInputError(f"--set {dotted}: {section} is a list of entries, set whole: "
+                                 f"--set '{section}=[{{name: a, r: 8}}, {{name: b, learning_rate: 1e-3}}]'")
+        tree[section] = value
+        return
     if section not in FinetuneConfig.model_fields or not key or "." in key:
         raise UserInputError(f"--set {dotted}: unknown key{_suggest(dotted)}; keys look like section.key")
-    fields = FinetuneConfig.model_fields[section].annotation.model_fields
+    fields = entry_model(FinetuneConfig.model_fields[section]).model_fields
     if key not in fields:
         raise UserInputError(f"--set {dotted}: unknown key{_suggest(dotted)}")
     tree.setdefault(section, {})
@@ -36,7 +44,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{k}" for s, f in FinetuneConfig.model_fields.items() for k in f.annotation.model_fields]
+    return [*LISTS, *(f"{s}.{k}" for s, f in FinetuneConfig.model_fields.items() if s not in LISTS
+                      for k in f.annotation.model_fields)]
 
 
 def _suggest(dotted: str) -> str:

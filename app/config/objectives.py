@@ -24,6 +24,7 @@ class Objective:
     samples_online: bool  # a rollout group samples answers every step, reward functions score them
     eval_figures: tuple[str, ...]  # what each evaluation reports before task metrics and reward means
     best_metric: str  # train.best_metric's default
+    side_by_side: bool = False  # several adapters (`adapters:`) may train in one job over one base
 
     def reported_figures(self, eval: EvalSection, grpo: GrpoSection) -> set[str]:
         """The evaluation figures a run reports, that train.best_metric and tune.metric may rank by."""
@@ -46,7 +47,7 @@ class Objective:
 
 OBJECTIVES = {objective.name: objective for objective in (
     Objective("sft", None, "texts", "chats, instructions or text", "texts to learn",
-              "data.long_records says", False, ("eval_loss", "eval_perplexity"), "eval_loss"),
+              "data.long_records says", False, ("eval_loss", "eval_perplexity"), "eval_loss", side_by_side=True),
     Objective("dpo", "preference", "preference pairs", "records with prompt, chosen and rejected",
               "pairs to prefer one answer of", "a preference pair is truncated to data.max_seq_len (the prompt's end, "
               "the answers' starts)", False, ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"),

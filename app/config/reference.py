@@ -12,7 +12,7 @@ import types
 import typing
 from pathlib import Path
 
-from app.config.schema import FinetuneConfig
+from app.config.schema import FinetuneConfig, entry_model
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Config reference
@@ -55,13 +55,15 @@ def bounds(metadata: list) -> str:
 def render() -> str:
     lines = [HEADER]
     for section, section_field in FinetuneConfig.model_fields.items():
-        model = section_field.annotation
-        lines += [f"## `{section}`", "", (model.__doc__ or "").strip(), "",
+        model = entry_model(section_field)
+        prefix = section if model is section_field.annotation else f"{section}[]"  # a list's entries
+        lines += [f"## `{section}`", "", (section_field.description or model.__doc__ or "").strip(), "",
                   "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for key, field in model.model_fields.items():
             value = field.get_default(call_default_factory=True)  # a factory's value, e.g. []
-            default = "none" if value is None else f"`{yaml_value(value)}`"
-            lines.append(f"| `{section}.{key}` | {type_name(field.annotation)}{bounds(field.metadata)} | "
+            default = ("required" if field.is_required() else "none" if value is None
+                       else f"`{yaml_value(value)}`")
+            lines.append(f"| `{prefix}.{key}` | {type_name(field.annotation)}{bounds(field.metadata)} | "
                          f"{default} | {field.description or ''} |")
         lines.append("")
     return "\n".join(line for i, line in enumerate(lines) if line or (i and lines[i - 1])).rstrip() + "\n"

@@ -6,11 +6,13 @@ sections (app/config/rules.py) run after them. Loading a file with `--set` overr
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 import yaml
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
+from app.config.adapters import AdapterSection
 from app.config.dpo import DpoSection
 from app.config.grpo import GrpoSection
 from app.config.rules import RULES
@@ -29,6 +31,12 @@ from app.config.tune import TuneSection
 from app.runs.layout import OutputDir, RunDir
 
 
+def entry_model(field) -> type[Section]:
+    """The model of a config field: its section's, or for a list of entries (`adapters:`) each entry's."""
+    args = typing.get_args(field.annotation)
+    return args[0] if args else field.annotation
+
+
 class FinetuneConfig(Section):
     model: ModelSection = ModelSection()
     lora: LoraSection = LoraSection()
@@ -41,6 +49,9 @@ class FinetuneConfig(Section):
     dpo: DpoSection = DpoSection()
     grpo: GrpoSection = GrpoSection()
     tune: TuneSection = TuneSection()
+    adapters: list[AdapterSection] = Field(default_factory=list, description=(
+        "several named adapters trained side by side over one base (app/config/adapters.py); empty: one adapter "
+        "from lora:"))
 
     @model_validator(mode="after")
     def _rules_hold(self) -> FinetuneConfig:
@@ -62,9 +73,16 @@ class FinetuneConfig(Section):
         stays as it is."""
         tree = self.model_dump(exclude_unset=True)
         for dotted, value in values.items():
-            section, key = dotted.split(".")
-            tree.setdefault(section, {})[key] = value
+            section, _, key = dotted.partition(".")
+            if key:
+                tree.setdefault(section, {})[key] = value
+            else:  # a list of entries (adapters), set whole
+                tree[section] = value
         return type(self).model_validate(tree)
+
+    def trained_lora(self) -> LoraSection | dict[str, LoraSection]:
+        """The adapter the run trains (lora:), or its adapters by name (adapters:)."""
+        return {adapter.name: adapter.lora_of(self.lora) for adapter in self.adapters} if self.adapters else self.lora
 
     @property
     def output(self) -> OutputDir:
@@ -79,6 +97,8 @@ class FinetuneConfig(Section):
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
 
     def flat(self) -> dict[str, Any]:
-        """`{"lora.r": 16, ...}`: the shape MLflow params take."""
-        return {f"{section}.{key}": value for section, fields in self.model_dump().items()
+        """`{"lora.r": 16, ..., "adapters.a.r": 4}`: the shape MLflow params take."""
+        flat = {f"{section}.{key}": value for section, fields in self.model_dump(exclude={"adapters"}).items()
                 for key, value in fields.items()}
+        return flat | {f"adapters.{adapter.name}.{key}": value for adapter in self.adapters
+                       for key, value in adapter.model_dump(exclude={"name"}, exclude_none=True).items()}

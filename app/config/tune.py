@@ -106,6 +106,9 @@ class TuneSection(Section):
                                f"({', '.join(PERTURBABLE)}); its values are resampled or scaled by 0.8/1.2")
     seed: int | None = Field(None, description="seeds the sampling of the space and the order of a grid's values "
                              "(None: a new sweep each time)")
+    in_one_job: bool = Field(False, description="the trials as adapters of one job over one base (`jobs.tune "
+                             "--in-one-job`, set by it): asha stops adapters at its rungs (train.eval_every steps "
+                             "apart at least), fifo trains every one to the end")
 
     @field_validator("space")
     @classmethod

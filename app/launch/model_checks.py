@@ -48,7 +48,8 @@ def checked_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInput
     except (OSError, ValueError) as e:
         raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first_line(e)}") from None
     check_chat_template(tokenizer, "data.chat_template" if cfg.data.chat_template else f"model.path={cfg.model.path}")
-    check_lora_targets(cfg.model, cfg.lora)
+    for lora in (loras.values() if isinstance(loras := cfg.trained_lora(), dict) else [loras]):
+        check_lora_targets(cfg.model, lora)
     if cfg.model.quantization == "nf4":
         check_nf4_shapes(cfg)
     if cfg.data.packing:

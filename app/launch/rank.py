@@ -23,8 +23,10 @@ from app.launch.job import TrialLink, WorkerLaunch
 from app.launch.rollout_group import RayRollouts, local_scorer, ray_scorer
 from app.train.checkpoint import TrainerState
 from app.train.group import RankContext
+from app.train.ports import NoTracking
 from app.train.progress import StartupClock
-from app.train.recipe import FinetuneRecipe, NoTracking
+from app.train.recipe import FinetuneRecipe
+from app.train.side_by_side import SideBySideRecipe
 
 # Ray Train 2.60: how often it polls for drains, and how long after noticing one without a deadline it restarts
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
@@ -127,10 +129,11 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
         checkpoints = RayCheckpoints(ctx.rank, ctx.world_size, launch.trial,
                                      # a sweep may stop a trial at any report: what it logged is sent first
                                      tracker.flush if launch.trial and ctx.is_main else None)
-        FinetuneRecipe(plan, ctx, train_pass, eval_pass, tracker, checkpoints,
-                       cfg.run_dir, launch.job_start_time, launch.source_names,
-                       ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
-                       pace=worker_hooks.step_pacing(), rollouts=rollouts, scorer=scorer).train()
+        recipe = SideBySideRecipe if cfg.adapters else FinetuneRecipe
+        recipe(plan, ctx, train_pass, eval_pass, tracker, checkpoints,
+               cfg.run_dir, launch.job_start_time, launch.source_names,
+               ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
+               pace=worker_hooks.step_pacing(), rollouts=rollouts, scorer=scorer).train()
     except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
         return
     finally:

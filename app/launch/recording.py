@@ -17,9 +17,10 @@ from app.eval_tasks.gym_lm_eval import with_gym_tasks
 from app.eval_tasks.harness import Evaluation, scores, task_metadata
 from app.launch.eval_tasks import evaluate_where_it_fits
 from app.launch.inputs import CheckedInputs
-from app.launch.summary import best_tags
+from app.launch.summary import ADAPTER_RUN, best_tags
 from app.plan.plan import Plan
 from app.tracking import mlflow_run
+from app.tracking.adapter_runs import record_adapter_runs
 from app.tracking.registry import log_adapter_model
 from app.tracking.task_scores import Evaluated, record_scores
 
@@ -71,6 +72,8 @@ def record_outcome(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str,
     version); returns the model's URIs. A failure warns: the adapter is on disk either way."""
     mlflow_run.set_tags(cfg.mlflow.tracking_uri, run_id, best_tags(cfg, summary))
     try:
+        if cfg.adapters:  # several adapters: each its own run, nested under the job's
+            return {f"{ADAPTER_RUN}{name}": child for name, child in record_adapter_runs(cfg, run_id, summary).items()}
         return log_adapter_model(cfg, run_id, summary) or {}
     except Exception as e:
         warn(f"MLflow: the adapter was not logged as a model ({type(e).__name__}: {first_line(e, 200)}); it is at "

@@ -63,6 +63,20 @@ def job_summary(cfg: FinetuneConfig, run_id: str, metrics: dict, startup: Startu
         "first_step_data_wait_seconds": metrics.get("first_step_data_wait_seconds"),
         "peak_memory_gb": metrics["peak_memory_gb_max_over_workers"],
         "mlflow_synced": mlflow_synced,
-        **model,
+        **{k: v for k, v in model.items() if not k.startswith(ADAPTER_RUN)},
+        **({"adapters": adapter_summaries(cfg, metrics, model)} if cfg.adapters else {}),
         "wall_seconds": round(wall_seconds, 1),
     }
+
+
+ADAPTER_RUN = "adapter_run/"  # record_outcome's key of an adapter's own MLflow run (several adapters)
+
+
+def adapter_summaries(cfg: FinetuneConfig, metrics: dict, model: dict[str, str]) -> dict[str, dict]:
+    """Each adapter's figures (several adapters in one job): where it is, its own MLflow run, how it ended."""
+    return {adapter.name: {"adapter_path": f"{cfg.run_dir.adapter}/{adapter.name}",
+                           "mlflow_run_id": model.get(f"{ADAPTER_RUN}{adapter.name}"),
+                           **{key: metrics.get(f"{adapter.name}/{key}")
+                              for key in ("final_train_loss", "final_eval_loss", "best_step", "best_value")},
+                           "stopped": bool(metrics.get(f"{adapter.name}/stopped"))}
+            for adapter in cfg.adapters}

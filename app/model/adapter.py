@@ -34,23 +34,53 @@ PEFT_PREFIX = "base_model.model."
 BaseRows = Callable[[str, slice], torch.Tensor]
 
 
-def apply_lora(base, lora: LoraSection, seed: int, reference: bool = False):
+def apply_lora(base, lora: LoraSection | dict[str, LoraSection], seed: int, reference: bool = False):
     """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32. Its weights get their starting
-    values afterwards (`init_lora_weights` or `load_adapter_weights`). With `reference`, a second adapter of the
-    same shape, frozen and without dropout: DPO's reference when a run starts from a trained adapter."""
-    from peft import LoraConfig, get_peft_model
+    values afterwards (`init_lora_weights` or `load_adapter_weights`). `lora`: one adapter ("default"), or several
+    by name (`adapters:`), all trainable, the first active (`activate_adapter` routes the forward). With
+    `reference`, a second adapter of the same shape, frozen and without dropout: DPO's reference when a run starts
+    from a trained adapter."""
+    from peft import get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
-                        use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
-                        bias="none")
+    (first, first_lora), *others = (lora if isinstance(lora, dict) else {"default": lora}).items()
+    config = peft_config(first_lora)
     with peft_on_transformers_5():
-        model = get_peft_model(base, config, autocast_adapter_dtype=True)  # upcasts LoRA weights to fp32
+        model = get_peft_model(base, config, adapter_name=first, autocast_adapter_dtype=True)  # LoRA in fp32
+        for name, section in others:
+            model.add_adapter(name, peft_config(section))
+        for name, param in model.named_parameters():  # PEFT freezes the adapters added beside the active one
+            if others and ".lora_" in name:
+                param.requires_grad_(True)
         if reference:  # PEFT leaves an added adapter frozen while "default" is the active one
             frozen = copy.deepcopy(config)
             frozen.lora_dropout, frozen.inference_mode = 0.0, True
             model.add_adapter(REFERENCE, frozen)
     return model
+
+
+def peft_config(lora: LoraSection):
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
+                      use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
+                      bias="none")
+
+
+def activate_adapter(model: nn.Module, name: str) -> None:
+    """Route every LoRA layer's forward through adapter `name` alone, leaving every adapter trainable (PEFT's
+    `set_adapter` would freeze the others, and FSDP2 fixes which weights train when it shards)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module._active_adapter = name
+    model.base_model.active_adapter = name
+
+
+def adapter_of(param_name: str) -> str:
+    """The adapter a LoRA weight belongs to (`<module>.lora_A.<adapter>.weight` -> adapter)."""
+    return param_name.split(".lora_", 1)[1].split(".")[1]
 
 
 @contextlib.contextmanager
@@ -75,11 +105,14 @@ def base_param_name(peft_name: str) -> str:
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module, seed: int, base_rows: BaseRows) -> None:
-    """Every trainable LoRA weight's starting value from `seed`, whole on every rank, then this rank's slice."""
-    generator = torch.Generator().manual_seed(seed)
+    """Every trainable LoRA weight's starting value from `seed`, whole on every rank, then this rank's slice. Each
+    adapter draws from its own generator of that seed: an adapter starts where it would start trained alone."""
+    generators: dict[str, torch.Generator] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        generator = generators.setdefault(adapter_of(name) if ".lora_" in name else "",
+                                          torch.Generator().manual_seed(seed))
         local, region = local_region(param)
         if "lora_magnitude_vector" in name:  # DoRA: ||W + scale * B A|| per output row, with B = 0
             weight = name.split(".lora_magnitude_vector.")[0] + ".weight"

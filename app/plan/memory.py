@@ -47,7 +47,7 @@ def count_parameters(cfg: FinetuneConfig, config_file: str | None = None):
     """(PEFT model on the meta device, base parameter count, LoRA parameter count)."""
     from app.model.build import build_meta_lora_model
 
-    model = build_meta_lora_model(cfg.model, cfg.lora, cfg.train.seed, config_file=config_file)
+    model = build_meta_lora_model(cfg.model, cfg.trained_lora(), cfg.train.seed, config_file=config_file)
     base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model, base, lora

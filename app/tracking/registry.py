@@ -38,11 +38,13 @@ def _pinned_requirements() -> list[str]:
     return [f"{name}=={version(name).split('+')[0]}" for name in REQUIREMENTS]
 
 
-def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict[str, str] | None:
-    """Log the adapter as the run's MLflow Model "model" and register it when `mlflow.registered_model`
-    is set. Returns {"model_uri", and "registered_model", "version" when registered}."""
+def log_adapter_model(cfg: FinetuneConfig, run_id: str, summary: dict, folder: str | None = None
+                      ) -> dict[str, str] | None:
+    """Log the adapter (the run's, or the local `folder`: one of several adapters of a job) as the run's MLflow
+    Model "model" and register it when `mlflow.registered_model` is set. Returns {"model_uri", and
+    "registered_model", "version" when registered}."""
     base = base_model_record(cfg)
-    adapter, _download = cfg.run_dir.local_copy(ADAPTER)  # the download lives as long as this call
+    adapter, _download = (folder, None) if folder else cfg.run_dir.local_copy(ADAPTER)  # lives as long as this call
     with (fluent_tracking_uri(cfg.mlflow.tracking_uri), mlflow.start_run(run_id=run_id, log_system_metrics=False),
           warnings.catch_warnings()):
         # an input example would make MLflow load the base model here to try it: none is given

@@ -41,6 +41,7 @@ class TrainerState:
     best: dict = field(default_factory=dict)  # app.eval_tasks.BestEvaluation.state()
     stopped_early: bool = False  # train.early_stopping_patience ended the run at `step`
     initial_eval: dict = field(default_factory=dict)  # the untrained model's other eval figures (task metrics)
+    adapters: dict = field(default_factory=dict)  # adapters trained side by side: each one's own (side_by_side.py)
 
 
 # checkpoints written before "pass" named what they called "epoch": still resumed
@@ -132,13 +133,15 @@ def gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(peft_model, trainable_state: dict[str, torch.Tensor], out_dir: Path, tokenizer,
-                 run_config_yaml: str = "") -> Path:
-    """A PEFT adapter directory that `PeftModel.from_pretrained(base, out_dir)` loads as it is, with the
-    tokenizer files and the config of the run that trained it (ADAPTER_RUN_CONFIG)."""
+                 run_config_yaml: str = "", adapter_name: str = "default") -> Path:
+    """A PEFT adapter directory that `PeftModel.from_pretrained(base, folder)` loads as it is, with the
+    tokenizer files and the config of the run that trained it (ADAPTER_RUN_CONFIG); returns the folder:
+    `out_dir` for the one adapter of a run, `out_dir/<adapter_name>` for one of several (PEFT's layout)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(out_dir, state_dict=trainable_state, safe_serialization=True,
-                               selected_adapters=["default"])  # not DPO's frozen reference
-    tokenizer.save_pretrained(out_dir)
+                               selected_adapters=[adapter_name])  # not DPO's frozen reference, nor other adapters
+    folder = out_dir if adapter_name == "default" else out_dir / adapter_name
+    tokenizer.save_pretrained(folder)
     if run_config_yaml:
-        (out_dir / ADAPTER_RUN_CONFIG).write_text(run_config_yaml)
-    return out_dir
+        (folder / ADAPTER_RUN_CONFIG).write_text(run_config_yaml)
+    return folder

@@ -42,6 +42,8 @@ def compile_decision(plan: Plan, ctx: RankContext) -> tuple[tuple[Decision, ...]
     use_compile_cache(cache)
     if cfg.model.compile is True:
         return (), figures
+    if cfg.adapters:  # the layers' LoRA path changes with the adapter: each would compile anew
+        return (Decision("model.compile", False, "false (adapters: each adapter's path would compile anew)"),), figures
     decided, why = decide_compile(cfg, ctx.device, cache) if ctx.is_main else (False, "")
     decided = bool(max_over_ranks(float(decided), ctx))  # rank 0's verdict, on every rank
     return (Decision("model.compile", decided, f"{str(decided).lower()} ({why})" if why else ""),), figures

@@ -18,16 +18,17 @@ with torch.multiprocessing and lists (tests/unit/train/test_recipe.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from app.config.sections import TrainSection
 from app.data.passes import source_key
 from app.data.stream import RankPass, RankStream
 from app.model.base import load_tokenizer
@@ -50,40 +51,10 @@ from app.train.group import RankContext, max_over_ranks
 from app.train.measured import measured_on_workers, measured_params
 from app.train.objectives import objective_for
 from app.train.optimizer import build_optimizer, follow_config
+from app.train.ports import CheckpointStore, NoTracking, Tracker
 from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
 from app.train.rollouts import Rollouts, RolloutStream, Scorer
-
-
-class Tracker(Protocol):
-    """Rank 0's MLflow run (app/tracking/logger.py). `once_per_step` metrics of a step an earlier attempt of
-    the run already logged are dropped, so a restarted run keeps one value per step."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
-    def log_params(self, params: dict[str, object]) -> None: ...
-    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
-    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
-
-
-class NoTracking:
-    """What ranks other than 0 log to: nothing."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int, once_per_step: bool = True) -> None: ...
-    def log_params(self, params: dict[str, object]) -> None: ...
-    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None: ...
-    def log_table(self, data: dict[str, list], artifact_file: str) -> None: ...
-
-
-class CheckpointStore(Protocol):
-    def restore(self, load: Callable[[Path], TrainerState]) -> TrainerState | None: ...
-    def save(self, write: Callable[[Path], None], metrics: dict[str, float]) -> None: ...
-
-    def preemption_deadline(self) -> float | None:
-        """When a node of this group will be reclaimed (wall-clock seconds); None: no notice. Every rank sees
-        the notice at the same step. Asked once per step by every rank."""
-
-    def registration_seconds(self) -> float:
-        """How long a saved checkpoint may take to count as the latest (for a drain's last save)."""
 
 
 class FinetuneRecipe:
@@ -177,13 +148,20 @@ class FinetuneRecipe:
             self.tracker.log_metrics(compile_figures, step=0, once_per_step=False)
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
-        self.model = build_training_model(cfg.model, cfg.lora, cfg.fsdp,
+        self.model = build_training_model(cfg.model, cfg.trained_lora(), cfg.fsdp,
                                           build_device_mesh(ctx.device.type, cfg.scaling.mesh_shape(ctx.world_size)),
                                           cfg.train.seed, ctx.device, self.init_adapter,
                                           reference=self.objective.has_reference and self.init_adapter is not None)
         self.init_adapter = None  # copied into the shards
         self.params = trainable_parameters(self.model)
-        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.train)
+        self.optimizer, self.scheduler = self.build_optimizer()
+
+    def build_optimizer(self) -> tuple[torch.optim.Optimizer, object]:
+        return build_optimizer(self.params, self.cfg.train)
+
+    def optimizer_settings(self) -> TrainSection | list[TrainSection]:
+        """The train settings of each of the optimizer's parameter groups (one: the job's)."""
+        return self.cfg.train
 
     def start_fresh(self) -> None:
         figures = self.evaluate() if self.cfg.train.eval_on_start else {}
@@ -200,7 +178,7 @@ class FinetuneRecipe:
         self.state, self.best_adapter = state, best_adapter
         self.best = BestEvaluation(cfg.train.best_metric, cfg.train.early_stopping_patience, **state.best)
         self.scheduler.load_state_dict(state.scheduler)
-        follow_config(self.optimizer, self.scheduler, cfg.train)
+        follow_config(self.optimizer, self.scheduler, self.optimizer_settings())
         self.step, self.train_loss, self.stopped_early = state.step, state.train_loss, state.stopped_early
         self.tracker.log_metrics({"resumed_from_step": state.step}, step=state.step, once_per_step=False)
 
@@ -264,19 +242,14 @@ class FinetuneRecipe:
         micro_batches = [next(self.batches) for _ in range(self.plan.grad_accum_steps_on(ctx.world_size))]
         data_wait = time.perf_counter() - t0
         normaliser = objective.normaliser(micro_batches)
-        sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
-        for i, batch in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, loss_sum, metric_sums = objective.micro_batch_loss(self.model, batch, normaliser, ctx.world_size)
-            loss.backward()
-            sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
+        sums = self.accumulate(micro_batches, normaliser)
         grad_norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        step_totals = torch.cat([_real_tokens(micro_batches).to(ctx.device).reshape(1),
+        step_totals = torch.cat([real_tokens(micro_batches).to(ctx.device).reshape(1),
                                  self._rows_per_source(micro_batches).to(ctx.device), sums])
         dist.all_reduce(step_totals)  # non-pad token count, records of each source, loss and metric sums
         tokens, *totals, normaliser, grad_norm = torch.cat(  # the step's one host sync
@@ -293,6 +266,37 @@ class FinetuneRecipe:
                 "data_wait_seconds": data_wait, "step_tokens": tokens, objective.normaliser_name: normaliser,
                 "workers": ctx.world_size,
                 **objective.step_figures(metric_totals, normaliser), **shares, **self.batches.take_figures(seconds)}
+
+    def accumulate(self, micro_batches: list[dict], normaliser: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches, gradients reduce-scattered after the last one;
+        the loss and metric sums (this rank's)."""
+        objective, ctx = self.objective, self.ctx
+        sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
+        with self.dropout_draws():
+            for i, batch in enumerate(micro_batches):
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                loss, loss_sum, metric_sums = objective.micro_batch_loss(self.model, batch, normaliser, ctx.world_size)
+                loss.backward()
+                sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
+        return sums
+
+    @contextlib.contextmanager
+    def dropout_draws(self):
+        """LoRA dropout's draws in a step, from a generator of (seed, step, rank): what a step draws depends on
+        nothing before it, so adapters trained side by side draw what each would alone."""
+        device = self.ctx.device
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+            torch.manual_seed((self.cfg.train.seed * 1_000_003 + self.step) * 4096 + self.ctx.rank)
+            yield
+
+    def write_adapter(self, folder: Path, last_weights: dict[str, torch.Tensor]) -> None:
+        """The run's adapter, as train.export chose it, into `folder` (rank 0)."""
+        weights = self.best_adapter if self.cfg.train.export == "best" and self.best_adapter else last_weights
+        save_adapter(self.model, weights, folder, self.tokenizer, self.cfg.to_yaml())
+
+    def adapter_figures(self) -> dict[str, float]:
+        """Each adapter's own summary figures, beside the run's (none here: one adapter)."""
+        return {}
 
     def _rows_per_source(self, micro_batches: list[dict]) -> torch.Tensor:
         n = len(self.source_names)
@@ -338,7 +342,7 @@ class FinetuneRecipe:
         and with `summary` the run's (the driver reads it from Ray Train, not from MLflow)."""
         position = TrainerState(step, self.batches.pass_index, self.batches.rows_into_pass, self.scheduler.state_dict(),
                                 self.state.initial_eval_loss, self.train_loss, self.best.state(), self.stopped_early,
-                                self.state.initial_eval)
+                                self.state.initial_eval, self.adapters_state())
         adapter = gather_trainable_state(self.model) if self.cfg.train.checkpoint_adapter else None
         evaluation = self.eval_figures if self.eval_step == step else {}
 
@@ -353,16 +357,19 @@ class FinetuneRecipe:
         self.save_seconds = time.perf_counter() - t_save
         self.tracker.log_metrics({"checkpoint_save_seconds": self.save_seconds}, step)
 
+    def adapters_state(self) -> dict:
+        """What a checkpoint keeps of each adapter trained side by side (none here: one adapter)."""
+        return {}
+
     def finish(self) -> dict[str, float]:
         """Every collective first (final eval, sample decoding, adapter gather, peak memory, the last
         checkpoint), then rank 0 writes the adapter to the run directory and only then uploads: a slow
         tracking server never holds other ranks in a collective."""
-        cfg, ctx = self.cfg, self.ctx
+        ctx = self.ctx
         if not self.eval_figures:  # resumed from the final checkpoint: nothing trained in this attempt
             self.evaluate(self.step)
         samples = self.sample_table()  # every rank decodes in lockstep
         last_weights = gather_trainable_state(self.model)
-        adapter_state = self.best_adapter if cfg.train.export == "best" and self.best_adapter else last_weights
         summary = {"steps": self.step, "final_train_loss": self.train_loss,
                    "final_eval_loss": self.eval_loss, "initial_eval_loss": self.state.initial_eval_loss,
                    **{f"final_{k}": v for k, v in self.eval_figures.items() if k not in eval_metrics(0.0)},
@@ -374,12 +381,12 @@ class FinetuneRecipe:
                    "worker_seconds": time.perf_counter() - self.started,
                    "best_step": self.best.step, "best_value": self.best.value,
                    "final_workers": ctx.world_size,  # the last attempt's group: the figures above are its own
-                   "stopped_early": float(self.stopped_early)}
+                   "stopped_early": float(self.stopped_early), **self.adapter_figures()}
         if self.checkpoints:
             self.save_checkpoint(self.step, summary)
         if ctx.is_main and self.run_dir is not None:
             with tempfile.TemporaryDirectory(prefix="adapter-") as staged:
-                save_adapter(self.model, adapter_state, Path(staged), self.tokenizer, cfg.to_yaml())
+                self.write_adapter(Path(staged), last_weights)
                 self.run_dir.publish_adapter(Path(staged))
                 self.tracker.log_artifacts(Path(staged), "adapter")
         if samples is not None:
@@ -392,6 +399,6 @@ class FinetuneRecipe:
         return summary
 
 
-def _real_tokens(micro_batches: list[dict]) -> torch.Tensor:
+def real_tokens(micro_batches: list[dict]) -> torch.Tensor:
     """Tokens that are not padding: the throughput figure counts only these."""
     return sum(b["length"].sum() for b in micro_batches).to(torch.float64)

@@ -16,6 +16,7 @@ RAY_MODULES = {
     "app.launch.trainer",  # the TorchTrainer
     "app.launch.rollout_group",  # GRPO's rollout actors and reward tasks
     "app.launch.tune_sweep",  # Ray Tune: a sweep's trials, schedulers and books
+    "app.launch.adapter_sweep",  # Ray Tune's variant generator: a sweep's trials as one job's adapters
     "app.launch.rank",  # Ray Train's context, checkpoints and preemption notices inside a worker
     "app.launch.eval_tasks",  # an lm-eval run as a one-GPU task
     "app.launch.recording",  # the Ray job id, for the MLflow run's tags

@@ -14,18 +14,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.config.loading import load_config
-from app.config.schema import FinetuneConfig
+from app.config.schema import FinetuneConfig, entry_model
 from app.errors import UserInputError
 from tests.helpers import EMBEDDED_CONFIG
 
-SECTIONS = {name: list(field.annotation.model_fields) for name, field in FinetuneConfig.model_fields.items()}
-KEYS = [f"{section}.{key}" for section, keys in SECTIONS.items() for key in keys]
+SECTIONS = {name: list(entry_model(field).model_fields) for name, field in FinetuneConfig.model_fields.items()}
+KEYS = [f"{section}.{key}" for section, keys in SECTIONS.items() for key in keys] + ["adapters"]
 OUTCOMES: Counter = Counter()
 
 RAW = st.sampled_from(["", "null", "~", "[1, 2", "{a: b}", "'", "1e309", "-1", "0", "-0.0", ".nan", ".inf", "auto",
                        "bfloat16", "float8", "!!python/object/apply:os.system ['true']", "*alias", "&a [1]", "\t1",
                        "- x", "[]", "{}", "true", "yes", "0x10", "1_000", "9" * 30, "a=b", "models:/x@y", "s3://b/k",
-                       "../../etc/passwd", "\u0000", "\ud7ff", "[grpo, dpo]", "{r: 8}"])
+                       "../../etc/passwd", "\u0000", "\ud7ff", "[grpo, dpo]", "{r: 8}", "[{name: a, r: 0}]",
+                       "[{name: x, max_seq_len: 8}]", "[{name: x}, {name: x}]", "[{r: 4}]", "[{name: x.y}]"])
 VALUES = st.one_of(st.integers(), st.floats(), st.booleans(), st.none(), st.text(max_size=20),
                    st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=6)), max_size=3))
 KEY = st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS).map(lambda k: k + "s"), st.text(max_size=15))

@@ -1,0 +1,105 @@
+"""`adapters:`: several named LoRA adapters trained side by side over one base in one job.
+
+Each adapter may set its own LoRA shape and its own learning rate and schedule; every key it leaves unset is
+the job's (`lora.*`, `train.*`). What it cannot set is what the adapters share: the base and its loading, the
+data and its sequence length, the batch, the objective, the steps. Without the section a run trains one adapter
+from `lora:` as it always has.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from app.config.objectives import objective_of
+from app.config.sections import LoraSection, ModelSection, Section, TrainSection
+from app.config.tune import TuneSection
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a torch module name: no "."
+RESERVED_NAMES = ("default", "reference")  # PEFT's and DPO's adapter names in a single-adapter run
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
+TRAIN_KEYS = ("learning_rate", "lr_schedule", "warmup_steps")
+
+
+class AdapterSection(Section):
+    """One adapter of `adapters:`: a name, and the LoRA and optimizer keys it sets (the rest are the job's)."""
+
+    name: str = Field(description="the adapter's name: its folder under the run's adapter/ and its MLflow figures' "
+                      "prefix (letters, digits, _ and -)")
+    r: int | None = Field(None, gt=0, description="LoRA rank (unset: lora.r)")
+    alpha: float | None = Field(None, gt=0, description="LoRA scaling numerator (unset: lora.alpha)")
+    dropout: float | None = Field(None, ge=0.0, lt=1.0, description="dropout on the LoRA input (unset: lora.dropout)")
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None, description="module names to adapt (unset: lora.target_modules)")
+    use_rslora: bool | None = Field(None, description="rank-stabilised scaling (unset: lora.use_rslora)")
+    learning_rate: float | None = Field(None, gt=0.0, description="peak AdamW learning rate (unset: "
+                                        "train.learning_rate)")
+    lr_schedule: Literal["cosine", "linear", "constant"] | None = Field(None, description="decay after warm-up "
+                                                                          "(unset: train.lr_schedule)")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps (unset: train.warmup_steps)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_its_own_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields:
+                    raise ValueError(f"{key!r} is the job's, shared by every adapter (an adapter sets only "
+                                     f"{', '.join(LORA_KEYS + TRAIN_KEYS)}); set it outside adapters:")
+        return data
+
+    def lora_of(self, job: LoraSection) -> LoraSection:
+        """The job's LoRA section with this adapter's keys."""
+        return LoraSection(**(job.model_dump() | self._set(LORA_KEYS)))
+
+    def train_of(self, job: TrainSection) -> TrainSection:
+        """The job's train section with this adapter's learning rate and schedule."""
+        return TrainSection(**(job.model_dump() | self._set(TRAIN_KEYS)))
+
+    def alone_values(self) -> dict[str, Any]:
+        """What `FinetuneConfig.with_set` takes to make the job's config this adapter's alone: no adapters: (nor a
+        sweep in one job), its keys in lora: and train:."""
+        return ({"adapters": [], "tune.in_one_job": False}
+                | {f"lora.{key}": value for key, value in self._set(LORA_KEYS).items()}
+                | {f"train.{key}": value for key, value in self._set(TRAIN_KEYS).items()})
+
+    def _set(self, keys: tuple[str, ...]) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+
+
+def adapters_are_named_once(adapters: list[AdapterSection]) -> str | None:
+    names = [adapter.name for adapter in adapters]
+    for name in names:
+        if not ADAPTER_NAME.fullmatch(name) or name in RESERVED_NAMES or name in "lora_":
+            return (f"adapters: name {name!r} must be 1-64 letters, digits, '_' or '-' (starting with a letter "
+                    f"or digit), not {' or '.join(RESERVED_NAMES)} and not part of 'lora_' (PEFT's weight names)")
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        return f"adapters: {', '.join(repeated)} named more than once; each adapter needs its own name"
+    return None
+
+
+def one_job_sweeps_have_adapters(adapters: list[AdapterSection], tune: TuneSection) -> str | None:
+    if tune.in_one_job and not adapters:
+        return "tune.in_one_job: the trials of a sweep in one job are its adapters; give adapters: (jobs.tune does)"
+    if tune.in_one_job and tune.scheduler == "pbt":
+        return ("tune.in_one_job with tune.scheduler=pbt: adapters in one job are halved (asha) or all trained (fifo); "
+                "run a PBT sweep without --in-one-job")
+    return None
+
+
+def adapters_train_what_one_job_can(adapters: list[AdapterSection], train: TrainSection,
+                                    model: ModelSection) -> str | None:
+    """What several adapters in one job do not do yet, refused before anything starts."""
+    if not adapters:
+        return None
+    unsupported = {f"train.objective={train.objective}": not objective_of(train).side_by_side,
+                   "model.init_adapter": model.init_adapter is not None,
+                   "model.compile=true": model.compile is True,
+                   "train.checkpoint_adapter=true": train.checkpoint_adapter,
+                   "train.eval_tasks": bool(train.eval_tasks)}
+    if found := [key for key, present in unsupported.items() if present]:
+        return (f"adapters: {found[0]} is for a job of one adapter (several adapters train with sft, from the seed, "
+                "exported to adapter/<name>/); unset it, or train that adapter in a job of its own")
+    return None

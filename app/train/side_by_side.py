@@ -1,0 +1,206 @@
+"""Several LoRA adapters trained side by side over one sharded base (`adapters:`, app/config/adapters.py).
+
+The base is loaded and sharded once, with every adapter's LoRA weights beside it (PEFT adapters by name, all
+trainable). Each step takes the step's global batch once; then each adapter in turn runs it with the forward
+routed through its own LoRA weights alone (`activate_adapter`), its loss normalised over the batch's tokens, its
+gradients reduce-scattered and clipped by its own norm, and one AdamW steps every adapter's parameter group with
+its own learning rate and schedule. So each adapter takes the steps it takes trained alone
+(tests/unit/train/test_side_by_side.py): the same starting weights (a generator of the seed per adapter), the
+same rows, the same dropout draws (seeded by seed, step and rank, the same for every adapter).
+
+Each adapter is ranked by train.best_metric on its own evaluations; one whose loss or gradient is not finite
+keeps its last finite weights and stops, as does one whose early-stopping patience is spent, and the others go
+on. Figures are logged with the adapter's name as prefix (`a/train_loss`, `a/eval_loss`); the job's own
+`train_loss` is the mean over the adapters still training, its `eval_loss` the best adapter's. The adapters are
+exported to the run's `adapter/<name>/`, each a folder `PeftModel.from_pretrained` loads, with the config it
+would have been trained with alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from app.config.adapters import AdapterSection
+from app.config.sections import TrainSection
+from app.errors import warn
+from app.model.adapter import activate_adapter, adapter_of
+from app.model.sharding import full_grad_norm, reshard
+from app.train.checkpoint import TrainerState, gather_trainable_state, save_adapter
+from app.train.evaluation import BestEvaluation
+from app.train.halving import behind, rung_at, rung_metric
+from app.train.optimizer import build_grouped_optimizer
+from app.train.progress import peak_memory_gb
+from app.train.recipe import FinetuneRecipe, real_tokens
+
+
+@dataclass
+class TrainedAdapter:
+    """One adapter of the job: its settings, its parameter group, where it stands."""
+
+    section: AdapterSection
+    train: TrainSection  # the job's, with its learning rate and schedule
+    best: BestEvaluation
+    group: int  # its parameter group in the optimizer
+    stopped: str = ""  # why it stopped training; "" while it trains
+    train_loss: float = math.nan
+    eval_figures: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.section.name
+
+    def state(self) -> dict:
+        return {"best": self.best.state(), "stopped": self.stopped, "train_loss": self.train_loss}
+
+
+def prefixed(name: str, figures: dict[str, float]) -> dict[str, float]:
+    return {f"{name}/{key}": value for key, value in figures.items()}
+
+
+class SideBySideRecipe(FinetuneRecipe):
+    """FinetuneRecipe over the adapters of `adapters:`, every step for each adapter still training."""
+
+    def __init__(self, plan, *args, **kwargs):
+        super().__init__(plan, *args, **kwargs)
+        train = self.cfg.train
+        self.adapters = [TrainedAdapter(section, section.train_of(train),
+                                        BestEvaluation(train.best_metric, train.early_stopping_patience), group)
+                         for group, section in enumerate(self.cfg.adapters)]
+
+    def build_model(self) -> None:
+        super().build_model()
+        if not self.cfg.fsdp.reshard_after_forward:  # each layer gathered once a step, for every adapter's pass
+            self.model.set_reshard_after_backward(False)
+
+    def build_optimizer(self):
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return build_grouped_optimizer([([p for n, p in named if adapter_of(n) == adapter.name], adapter.train)
+                                        for adapter in self.adapters])
+
+    def optimizer_settings(self) -> list[TrainSection]:
+        return [adapter.train for adapter in self.adapters]
+
+    def continue_from(self, state: TrainerState, best_adapter: dict[str, torch.Tensor] | None) -> None:
+        super().continue_from(state, best_adapter)
+        train = self.cfg.train
+        for adapter in self.adapters:
+            saved = state.adapters[adapter.name]
+            adapter.best = BestEvaluation(train.best_metric, train.early_stopping_patience, **saved["best"])
+            adapter.stopped, adapter.train_loss = saved["stopped"], saved["train_loss"]
+
+    def adapters_state(self) -> dict:
+        return {adapter.name: adapter.state() for adapter in self.adapters}
+
+    def train_step(self) -> dict[str, float]:
+        """Every adapter still training takes one optimizer step on the step's global batch."""
+        ctx, objective, t0 = self.ctx, self.objective, time.perf_counter()
+        micro_batches = [next(self.batches) for _ in range(self.plan.grad_accum_steps_on(ctx.world_size))]
+        data_wait = time.perf_counter() - t0
+        normaliser = objective.normaliser(micro_batches)
+        training = [adapter for adapter in self.adapters if not adapter.stopped]
+        sums = []
+        for adapter in training:
+            activate_adapter(self.model, adapter.name)
+            sums.append(self.accumulate(micro_batches, normaliser))  # its gradients reduce-scattered after its last
+        reshard(self.model)  # gathered once for every adapter's pass; the shards step next
+        norms = [full_grad_norm(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[a.group]["params"],
+                                                               self.cfg.train.max_grad_norm)) for a in training]
+        totals = torch.cat([real_tokens(micro_batches).to(ctx.device).reshape(1), *sums])
+        dist.all_reduce(totals)  # non-pad tokens, each adapter's loss and metric sums
+        tokens, *totals = torch.cat([totals, normaliser.reshape(1).double(),
+                                     torch.stack(norms).double().to(ctx.device)]).tolist()
+        figures = self.adapter_steps(training, totals)
+        seconds = time.perf_counter() - t0
+        self.meter.add(tokens * len(training), seconds, data_wait)
+        trained = [adapter.train_loss for adapter in training if not adapter.stopped]
+        self.train_loss = sum(trained) / len(trained) if trained else math.nan
+        self.stopped_early = not trained
+        return {"train_loss": self.train_loss,
+                **{key: max(figures[f"{a.name}/{key}"] for a in training) for key in ("learning_rate", "grad_norm")},
+                "tokens_per_second": tokens * len(training) / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
+                "data_wait_seconds": data_wait, "step_tokens": tokens, "adapters_training": len(trained),
+                "workers": ctx.world_size, **figures, **self.batches.take_figures(seconds)}
+
+    def adapter_steps(self, training: list[TrainedAdapter], totals: list[float]) -> dict[str, float]:
+        """Each adapter's step from its reduced sums: an adapter whose loss or gradient norm is not finite is
+        stopped before the optimizer steps (its weights stay its last finite ones); the others step."""
+        width = 1 + len(self.objective.metric_names)
+        normaliser, norms = totals[len(training) * width], totals[len(training) * width + 1:]
+        figures = {}
+        for i, adapter in enumerate(training):
+            loss_total, *metric_totals = totals[i * width:(i + 1) * width]
+            group = self.optimizer.param_groups[adapter.group]
+            adapter.train_loss = loss_total / normaliser
+            if not (math.isfinite(adapter.train_loss) and math.isfinite(norms[i])):
+                adapter.stopped = f"step {self.step + 1}: train_loss {adapter.train_loss}, grad_norm {norms[i]}"
+                for param in group["params"]:
+                    param.grad = None  # AdamW passes over it
+                if self.ctx.is_main:
+                    warn(f"adapter {adapter.name} stopped ({adapter.stopped}); the other adapters go on")
+            figures |= prefixed(adapter.name, {"train_loss": adapter.train_loss, "learning_rate": group["lr"],
+                                               "grad_norm": norms[i],
+                                               **self.objective.step_figures(metric_totals, normaliser)})
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return figures
+
+    def evaluate(self, step: int = 0) -> dict[str, float]:
+        """Each adapter's evaluation, its figures under its name; the job's eval_loss is the best adapter's."""
+        figures = {}
+        for adapter in self.adapters:
+            activate_adapter(self.model, adapter.name)
+            adapter.eval_figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx, self.tokenizer)
+            figures |= prefixed(adapter.name, adapter.eval_figures)
+        losses = [a.eval_figures["eval_loss"] for a in self.adapters if math.isfinite(a.eval_figures["eval_loss"])]
+        self.eval_loss = min(losses) if losses else math.nan
+        self.eval_figures, self.eval_step = figures, step
+        return figures
+
+    def rank_evaluation(self, step: int) -> bool:
+        """Rank each adapter still training on its own evaluation (with train.export=best keep the weights of each
+        one that improved: a collective, the same on every rank); True when no adapter trains any more."""
+        improved = {adapter.name for adapter in self.adapters
+                    if not adapter.stopped and adapter.best.update(step, adapter.eval_figures)}
+        if improved and self.cfg.train.export == "best":
+            weights = gather_trainable_state(self.model)
+            self.best_adapter = (self.best_adapter or {}) | {k: v for k, v in weights.items()
+                                                             if adapter_of(k) in improved}
+        training = [adapter for adapter in self.adapters if not adapter.stopped]
+        rung = rung_at(self.cfg, step)
+        metric = rung_metric(self.cfg)
+        slow = behind(self.cfg, {a.name: a.eval_figures[metric] for a in training}) if rung is not None else {}
+        for adapter in training:
+            if adapter.name in slow:
+                adapter.stopped = f"step {step}: rung {rung}, {slow[adapter.name]}"
+            elif adapter.best.patience_spent:
+                adapter.stopped = f"step {step}: early stopping, best {adapter.best.value} at step {adapter.best.step}"
+        return all(adapter.stopped for adapter in self.adapters)
+
+    def sample_table(self) -> None:
+        """No sample table: each adapter's answers are in its eval figures."""
+        return None
+
+    def write_adapter(self, folder: Path, last_weights: dict[str, torch.Tensor]) -> None:
+        """Each adapter into `folder/<name>/`, with the config it would have been trained with alone."""
+        best = self.best_adapter if self.cfg.train.export == "best" and self.best_adapter else {}
+        for adapter in self.adapters:
+            weights = {k: v for k, v in last_weights.items() if adapter_of(k) == adapter.name}
+            weights |= {k: v for k, v in best.items() if adapter_of(k) == adapter.name}
+            alone = self.cfg.with_set(adapter.section.alone_values()).to_yaml()
+            save_adapter(self.model, weights, folder, self.tokenizer, alone, adapter_name=adapter.name)
+
+    def adapter_figures(self) -> dict[str, float]:
+        figures = {}
+        for adapter in self.adapters:
+            figures |= prefixed(adapter.name, {
+                "final_train_loss": adapter.train_loss, "final_eval_loss": adapter.eval_figures.get("eval_loss"),
+                "best_step": adapter.best.step, "best_value": adapter.best.value,
+                "stopped": float(bool(adapter.stopped))})
+        return figures

@@ -91,7 +91,9 @@ def planning_budget(cfg, device_gb: float | None) -> tuple[float, str] | None:
     if not cfg.scaling.use_gpu:
         return psutil.virtual_memory().available / 2**30 / cfg.scaling.num_workers, "this host's memory per worker"
     auto = [key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
-                                   ("train.micro_batch_size", cfg.train.micro_batch_size)) if value == "auto"]
+                                   ("train.micro_batch_size", cfg.train.micro_batch_size),
+                                   ("train.adapters_per_micro_batch",
+                                    cfg.train.adapters_per_micro_batch if cfg.adapters else 1)) if value == "auto"]
     if auto:
         raise UserInputError(f"{auto[0]}=auto is resolved against one GPU's memory: give --device-memory-gb "
                              "(e.g. 80) or scaling.device_memory_gb")

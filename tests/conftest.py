@@ -69,7 +69,7 @@ SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference
 LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "reference_run",
                  "tests.integration.test_multinode",
                  "tests.integration.test_run_safety", "tests.integration.test_real_model",
-                 "tests.integration.test_models_and_formats",
+                 "tests.integration.test_models_and_formats", "tests.integration.test_side_by_side",
                  "tests.unit.train.test_recipe",
                  "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
                  "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",
@@ -77,9 +77,9 @@ LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "
                  "tests.unit.train.test_grpo_recipe", "tests.integration.test_tracking"]
 # Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
 FILLERS = {"tests.unit.plan.test_packing_probe"}
-# Modules of long tests that share nothing (each starts its own cluster): a group per test, so the two processes
-# share them out instead of one running them all in a row.
-SPLIT = {"tests.integration.test_tune"}
+# Modules of long tests that share no module fixture: a group per test, so the two processes share them out
+# instead of one running them all in a row.
+SPLIT = {"tests.integration.test_tune", "tests.integration.test_side_by_side"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which writes the groups into the test ids

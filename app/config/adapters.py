@@ -60,8 +60,8 @@ class AdapterSection(Section):
 
     def alone_values(self) -> dict[str, Any]:
         """What `FinetuneConfig.with_set` takes to make the job's config this adapter's alone: no adapters: (nor a
-        sweep in one job), its keys in lora: and train:."""
-        return ({"adapters": [], "tune.in_one_job": False}
+        sweep in one job, nor adapters sharing micro-batches), its keys in lora: and train:."""
+        return ({"adapters": [], "tune.in_one_job": False, "train.adapters_per_micro_batch": 1}
                 | {f"lora.{key}": value for key, value in self._set(LORA_KEYS).items()}
                 | {f"train.{key}": value for key, value in self._set(TRAIN_KEYS).items()})
 
@@ -102,4 +102,20 @@ def adapters_train_what_one_job_can(adapters: list[AdapterSection], train: Train
     if found := [key for key, present in unsupported.items() if present]:
         return (f"adapters: {found[0]} is for a job of one adapter (several adapters train with sft, from the seed, "
                 "exported to adapter/<name>/); unset it, or train that adapter in a job of its own")
+    return None
+
+
+def adapters_share_what_they_can(adapters: list[AdapterSection], train: TrainSection, lora: LoraSection) -> str | None:
+    shared = train.adapters_per_micro_batch
+    if shared == "auto" or shared == 1:
+        return None
+    if not adapters:
+        return (f"train.adapters_per_micro_batch={shared} is for a job of several adapters (adapters:); set it to auto "
+                "or 1")
+    if shared > len(adapters):
+        return (f"train.adapters_per_micro_batch={shared} is more than the job's {len(adapters)} adapters; set at most "
+                f"{len(adapters)}, or auto")
+    if lora.use_dora:
+        return ("train.adapters_per_micro_batch>1 with lora.use_dora: DoRA adapters take a pass each; set "
+                "train.adapters_per_micro_batch to 1 or auto")
     return None

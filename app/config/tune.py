@@ -12,7 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from app.config.sections import Section
+from app.config.objectives import LOWER_IS_BETTER
+from app.config.sections import Section, TrainSection
 
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 DIMENSION = re.compile(r"\s*(?P<kind>[a-z]+)\s*\((?P<args>.*)\)\s*", re.S)
@@ -130,3 +131,14 @@ class TuneSection(Section):
 
     def dimensions(self) -> dict[str, Dimension]:
         return {key: parse_dimension(key, text) for key, text in self.space.items()}
+
+
+def sweep_metric(tune: TuneSection, train: TrainSection) -> str:
+    """The evaluation figure a sweep ranks its trials by (and ASHA's rungs compare): tune.metric, else
+    train.best_metric."""
+    return tune.metric or train.best_metric
+
+
+def sweep_mode(tune: TuneSection, train: TrainSection) -> str:
+    """tune.mode, else min for losses and perplexity, max for the other figures."""
+    return tune.mode or ("min" if sweep_metric(tune, train) in LOWER_IS_BETTER else "max")

@@ -16,10 +16,10 @@ from ray.tune.search.variant_generator import generate_variants
 from app.config.adapters import LORA_KEYS, TRAIN_KEYS
 from app.config.schema import FinetuneConfig
 from app.config.sweep_space import with_values
+from app.config.tune import sweep_metric, sweep_mode
 from app.errors import UserInputError
 from app.launch.driver import run_finetune
 from app.launch.tune_sweep import search_space
-from app.train.halving import lower_is_better, rung_metric
 
 ADAPTER_KEYS = {f"lora.{key}": key for key in LORA_KEYS} | {f"train.{key}": key for key in TRAIN_KEYS}
 
@@ -41,7 +41,7 @@ def trial_adapters(cfg: FinetuneConfig) -> list[dict]:
 def sweep_in_one_job(cfg: FinetuneConfig, name: str) -> dict:
     """Train the sweep's trials as adapters of one job named `name`; its summary, with the best adapter's name and
     figure by tune.metric (else train.best_metric) at its best evaluation."""
-    adapters, metric = trial_adapters(cfg), rung_metric(cfg)
+    adapters, metric = trial_adapters(cfg), sweep_metric(cfg.tune, cfg.train)
     try:
         job = cfg.with_set({"adapters": adapters, "tune.in_one_job": True, "train.run_name": name,
                             "train.best_metric": metric})  # each adapter's best by the sweep's figure
@@ -50,7 +50,7 @@ def sweep_in_one_job(cfg: FinetuneConfig, name: str) -> dict:
     summary = run_finetune(job)
     ranked = {adapter: figures["best_value"] for adapter, figures in summary["adapters"].items()
               if figures["best_value"] is not None}
-    best = (min if lower_is_better(cfg) else max)(ranked, key=ranked.get) if ranked else None
+    best = (min if sweep_mode(cfg.tune, cfg.train) == "min" else max)(ranked, key=ranked.get) if ranked else None
     trials = {adapter["name"]: {k: v for k, v in adapter.items() if k != "name"} for adapter in adapters}
     return summary | {"sweep": name, "metric": metric, "best_adapter": best, "best_config": trials.get(best),
                       "trials": trials}

@@ -75,6 +75,8 @@ def memory_saving_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
                     Decision("model.checkpoint_every_n_layers", 1)]
     if cfg.train.micro_batch_size == "auto":
         decided.append(Decision("train.micro_batch_size", 1, f"1 {why}"))
+    if cfg.train.adapters_per_micro_batch == "auto":
+        decided.append(Decision("train.adapters_per_micro_batch", 1, f"1 {why}" if cfg.adapters else ""))
     if cfg.scaling.mesh == "auto":
         decided.append(Decision("scaling.mesh", None, "null (no memory plan: sharded over every worker, the "
                                                       "memory-saving choice)"))

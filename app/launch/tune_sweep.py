@@ -27,9 +27,9 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTra
 from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.util.queue import Queue
 
-from app.config.objectives import LOWER_IS_BETTER
 from app.config.schema import FinetuneConfig
 from app.config.sweep_space import with_values
+from app.config.tune import sweep_metric, sweep_mode
 from app.errors import first_line, warn
 from app.launch.background import in_background
 from app.launch.cluster import init_ray
@@ -55,11 +55,11 @@ class Sweep:
 
     @property
     def metric(self) -> str:
-        return self.cfg.tune.metric or self.cfg.train.best_metric
+        return sweep_metric(self.cfg.tune, self.cfg.train)
 
     @property
     def mode(self) -> str:
-        return self.cfg.tune.mode or ("min" if self.metric in LOWER_IS_BETTER else "max")
+        return sweep_mode(self.cfg.tune, self.cfg.train)
 
     @property
     def folder(self) -> RunDir:

@@ -37,7 +37,7 @@ BaseRows = Callable[[str, slice], torch.Tensor]
 def apply_lora(base, lora: LoraSection | dict[str, LoraSection], seed: int, reference: bool = False):
     """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32. Its weights get their starting
     values afterwards (`init_lora_weights` or `load_adapter_weights`). `lora`: one adapter ("default"), or several
-    by name (`adapters:`), all trainable, the first active (`activate_adapter` routes the forward). With
+    by name (`adapters:`), all trainable, the first active (app/model/row_routing.py routes the forward). With
     `reference`, a second adapter of the same shape, frozen and without dropout: DPO's reference when a run starts
     from a trained adapter."""
     from peft import get_peft_model
@@ -65,17 +65,6 @@ def peft_config(lora: LoraSection):
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora,
                       use_rslora=lora.use_rslora, target_modules=lora.target_modules, task_type="CAUSAL_LM",
                       bias="none")
-
-
-def activate_adapter(model: nn.Module, name: str) -> None:
-    """Route every LoRA layer's forward through adapter `name` alone, leaving every adapter trainable (PEFT's
-    `set_adapter` would freeze the others, and FSDP2 fixes which weights train when it shards)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            module._active_adapter = name
-    model.base_model.active_adapter = name
 
 
 def adapter_of(param_name: str) -> str:

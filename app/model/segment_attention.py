@@ -6,7 +6,9 @@ quarter of the step on a CPU. GPUs have a varlen kernel that skips the masked bl
 app/train/loss.py feeds packed rows to); CPUs do not, so this kernel runs causal attention on each record's own
 slice of the row, which is exactly what the mask allows. A short record's attention is two matmuls and a softmax
 (in fp32, as transformers' eager attention): the CPU's flash kernel costs 2-3x that below ~200 tokens
-(docs/performance.md); a longer one takes SDPA's kernel, which keeps no [length, length] scores.
+(docs/performance.md); a longer one takes SDPA's kernel, which keeps no [length, length] scores. Rows of at most
+WHOLE_ROW_UP_TO tokens attend whole under the block-causal mask, by the same matmuls: the few wasted scores cost
+less than a loop over every record of the micro-batch.
 
 Registered with transformers as `sdpa_segments` (its masks are SDPA's): it takes the record lengths as the
 `packed_segments` argument of the model's forward and, without them or where a layer's attention is more than
@@ -23,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SEGMENTS_KERNEL = "sdpa_segments"
 MATMUL_UP_TO = 192  # tokens: a record this short has its scores computed by matmuls; longer ones by SDPA
+WHOLE_ROW_UP_TO = 64  # tokens: rows this short attend whole under the mask, by matmuls (a few ops for every row)
 
 
 def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
@@ -39,22 +42,37 @@ def sdpa_by_segment(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     packed_segments: list[list[int]] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query, key, value [batch, heads, length, head dim]; returns
     [batch, length, heads, head dim]."""
-    if packed_segments is None or not _plainly_causal(module, query, key, kwargs):
+    short = query.shape[2] <= WHOLE_ROW_UP_TO
+    if packed_segments is None or not _plainly_causal(module, query, key, kwargs) or (short and dropout):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if short:
+        return masked_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     rows = []
-    for row, lengths in enumerate(packed_segments):
-        parts, start = [], 0
-        for length in lengths:
-            part = slice(start, start + length)
-            parts.append(causal_attention(query[row:row + 1, :, part], key[row:row + 1, :, part],
-                                          value[row:row + 1, :, part], dropout, scaling))
-            start += length
+    # split, not sliced: a slice's backward writes a zero tensor of the whole input for each record, a split's
+    # backward joins the records' gradients once
+    for lengths, *row in zip(packed_segments, query.split(1), key.split(1), value.split(1), strict=True):
+        parts = [causal_attention(q, k, v, dropout, scaling)
+                 for q, k, v in zip(*(tensor.split(lengths, dim=2) for tensor in row), strict=True)]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None) -> torch.Tensor:
+    """Whole rows' attention under their mask (bool, True where a position attends; additive; or None: causal) by
+    matmuls and an fp32 softmax, [batch, heads, length, head dim]; a query that attends nowhere (padding) gets
+    the mean of the values, as transformers' eager attention gives it."""
+    length = query.shape[2]
+    scores = ((query @ key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)).float()
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    lowest = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask.float()
+    return torch.softmax(scores, dim=-1).to(value.dtype) @ value
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,

@@ -102,17 +102,28 @@ def checkpointed_layers(model: ModelSection, num_layers: int) -> int:
     return math.ceil(num_layers / model.checkpoint_every_n_layers) if model.gradient_checkpointing else 0
 
 
+def adapters_per_pass(cfg: FinetuneConfig) -> int:
+    """Adapters whose copies of a micro-batch run in one forward (train.adapters_per_micro_batch): its rows
+    multiply by that."""
+    shared = cfg.train.adapters_per_micro_batch
+    if not cfg.adapters:
+        return 1
+    if shared == "auto":
+        raise ValueError("train.adapters_per_micro_batch=auto is decided before it is planned (memory_choices.py)")
+    return min(shared, len(cfg.adapters))
+
+
 def nf4_params(layers) -> list[int]:
     """Per decoder layer, how many of its parameters model.quantization=nf4 stores as NF4."""
     return [sum(linear.weight.numel() for linear in quantizable_linears(layer).values()) for layer in layers]
 
 
 def activation_bytes(config, cfg: FinetuneConfig, compute: int, num_layers: int) -> float:
-    """One micro-batch: saved layer inputs (checkpointing) or every layer's intermediates, plus the loss's
-    share. The plain loss keeps the logits (compute dtype), their fp32 copy and its log-softmax, and the
-    gradients of all three; the chunked loss holds one chunk's logits (compute dtype and fp32, the
-    softmax in place) and the hidden states' gradient."""
-    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    """One forward's micro-batch (a copy per adapter sharing it): saved layer inputs (checkpointing) or every
+    layer's intermediates, plus the loss's share. The plain loss keeps the logits (compute dtype), their fp32 copy
+    and its log-softmax, and the gradients of all three; the chunked loss holds one chunk's logits (compute dtype
+    and fp32, the softmax in place) and the hidden states' gradient."""
+    tokens = cfg.train.micro_batch_size * adapters_per_pass(cfg) * cfg.data.max_seq_len
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
     one_layer = tokens * (10 * hidden + 4 * inner) * compute  # attention (SDPA: no seq^2 term) + MLP
     checkpointed = checkpointed_layers(cfg.model, num_layers)  # keep their input; one recomputed at a time

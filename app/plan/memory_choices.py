@@ -51,22 +51,27 @@ def resolve_memory_choices(cfg: FinetuneConfig, budget_bytes: float, budget_sour
     memory-saving with a refusal when nothing (or the explicit choice) fits."""
     autos = {key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
                                     ("train.micro_batch_size", cfg.train.micro_batch_size),
+                                    ("train.adapters_per_micro_batch", cfg.train.adapters_per_micro_batch),
                                     ("scaling.mesh", cfg.scaling.mesh)) if value == "auto"}
     checkpointing = [(cfg.model.gradient_checkpointing, cfg.model.checkpoint_every_n_layers)]
     micro_batches = micro_batch_options(cfg) if "train.micro_batch_size" in autos else [cfg.train.micro_batch_size]
     meshes = mesh_options(cfg) if "scaling.mesh" in autos else [cfg.scaling.mesh]
-    bases = [plan_memory(_with(cfg, (False, 1), 1, mesh), config_file) for mesh in meshes]  # activations vary
+    shared = 1 if "train.adapters_per_micro_batch" in autos else cfg.train.adapters_per_micro_batch  # grown last
+    bases = [plan_memory(_with(cfg, (False, 1), 1, mesh, shared), config_file) for mesh in meshes]  # activations vary
     if "model.gradient_checkpointing" in autos:
         checkpointing = checkpointing_options(bases[0].num_layers)
     usable = USABLE * budget_bytes
     for option, micro, (mesh, base) in product(checkpointing, micro_batches, zip(meshes, bases)):
-        candidate = _with(cfg, option, micro, mesh)
+        candidate = _with(cfg, option, micro, mesh, shared)
         plan = with_activations_of(base, candidate)
         if plan.device_total <= usable:
+            if "train.adapters_per_micro_batch" in autos:
+                candidate, plan = most_adapters_per_pass(candidate, base, usable)
             return MemoryChoices(candidate, _decisions(candidate, plan, usable, budget_source, autos), plan)
-    thriftiest = _with(cfg, checkpointing[-1], micro_batches[-1], meshes[-1])
+    thriftiest = _with(cfg, checkpointing[-1], micro_batches[-1], meshes[-1], shared)
     plan = with_activations_of(bases[-1], thriftiest)
-    return MemoryChoices(thriftiest, (), plan, _does_not_fit(thriftiest, plan, usable, budget_source, bool(autos)))
+    searched = bool(autos - {"train.adapters_per_micro_batch"})
+    return MemoryChoices(thriftiest, (), plan, _does_not_fit(thriftiest, plan, usable, budget_source, searched))
 
 
 def checkpointing_options(num_layers: int) -> list[Checkpointing]:
@@ -91,17 +96,30 @@ def micro_batch_options(cfg: FinetuneConfig) -> list[int]:
             if all(batch % (size * workers) == 0 for workers in cfg.scaling.worker_counts)]
 
 
+def most_adapters_per_pass(cfg: FinetuneConfig, base: MemoryPlan, usable: float) -> tuple[FinetuneConfig, MemoryPlan]:
+    """`cfg` (one adapter a pass) with as many adapters sharing each micro-batch as fit `usable`: fewer, fuller
+    passes. DoRA adapters take a pass each."""
+    most = 1 if cfg.lora.use_dora else len(cfg.adapters)
+    for shared in range(most, 1, -1):
+        candidate = applied(cfg, (Decision("train.adapters_per_micro_batch", shared),))
+        plan = with_activations_of(base, candidate)
+        if plan.device_total <= usable:
+            return candidate, plan
+    return cfg, with_activations_of(base, cfg)
+
+
 def mesh_options(cfg: FinetuneConfig) -> list[Mesh]:
     """Replicated, then sharded over every worker; one worker has nothing to shard over."""
     return ["replicate", None] if cfg.scaling.num_workers > 1 else [None]
 
 
-def _with(cfg: FinetuneConfig, checkpointing: Checkpointing, micro: int, mesh) -> FinetuneConfig:
+def _with(cfg: FinetuneConfig, checkpointing: Checkpointing, micro: int, mesh, shared: int) -> FinetuneConfig:
     """A candidate: `cfg` with these values, validated as a plan's config is."""
     on, every = checkpointing
     return applied(cfg, (Decision("model.gradient_checkpointing", on),
                          Decision("model.checkpoint_every_n_layers", every),
-                         Decision("train.micro_batch_size", micro), Decision("scaling.mesh", mesh)))
+                         Decision("train.micro_batch_size", micro), Decision("scaling.mesh", mesh),
+                         Decision("train.adapters_per_micro_batch", shared)))
 
 
 def _describe(cfg: FinetuneConfig, num_layers: int) -> str:
@@ -126,6 +144,11 @@ def _decisions(cfg: FinetuneConfig, plan: MemoryPlan, usable: float, source: str
         micro = cfg.train.micro_batch_size
         decided.append(Decision("train.micro_batch_size", micro,
                                 f"{micro} (the largest that splits the global batch and fits: {fits})"))
+    if "train.adapters_per_micro_batch" in autos:  # without adapters: 1, nothing to say
+        shared = cfg.train.adapters_per_micro_batch
+        why = (f"{shared} of {len(cfg.adapters)} adapters' copies of each micro-batch in one forward (the most that "
+               f"fit: {fits})")
+        decided.append(Decision("train.adapters_per_micro_batch", shared, why if cfg.adapters else ""))
     if "scaling.mesh" in autos and cfg.scaling.mesh == "replicate":
         decided.append(Decision("scaling.mesh", "replicate",
                                 f"replicate (every worker holds the whole model, no gathers: {fits})"))

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from app.config.schema import FinetuneConfig
 from app.runs.layout import ADAPTER
-from app.tracking.logger import MAX_PARAM_CHARS
+from app.tracking.mlflow_run import log_config
 from app.tracking.registry import log_adapter_model
 
 BATCH = 1000  # MLflow's most metrics per log_batch call (100 params)
@@ -52,10 +52,7 @@ def record_adapter_runs(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict
         for i in range(0, len(metrics), BATCH):
             client.log_batch(child, metrics=metrics[i:i + BATCH])
         alone = cfg.with_set(adapter.alone_values())
-        params = [Param(key, str(value)[:MAX_PARAM_CHARS]) for key, value in alone.flat().items()]
-        for i in range(0, len(params), 100):
-            client.log_batch(child, params=params[i:i + 100])
-        client.log_text(child, alone.to_yaml(), "config/resolved.yaml")
+        log_config(client, child, alone, {})
         folder = str(Path(adapter_folder) / adapter.name)
         client.log_artifacts(child, folder, "adapter")
         if cfg.mlflow.registered_model:  # each adapter a version, tagged with its name

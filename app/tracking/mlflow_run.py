@@ -73,16 +73,21 @@ def start_run(cfg: FinetuneConfig, tags: dict[str, str | None], extra_params: di
     run = client.create_run(get_or_create_experiment(client, cfg.mlflow.experiment),
                             run_name=cfg.train.run_name,
                             tags={k: v for k, v in tags.items() if v is not None})
-    params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in {**cfg.flat(), **extra_params}.items()]
-    for i in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[i:i + 100])
-    client.log_text(run.info.run_id, cfg.to_yaml(), "config/resolved.yaml")
+    log_config(client, run.info.run_id, cfg, extra_params)
     if requested is not None:
         client.log_text(run.info.run_id, requested.to_yaml(), "config/requested.yaml")
     inputs = [dataset_input(source, context, digest) for context, source, digest in datasets]
     if inputs:
         client.log_inputs(run.info.run_id, datasets=inputs)
     return run.info.run_id
+
+
+def log_config(client: MlflowClient, run_id: str, cfg: FinetuneConfig, extra_params: dict[str, object]) -> None:
+    """The config as the run's params (with `extra_params`; 100 a call, MLflow's most) and as config/resolved.yaml."""
+    params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in {**cfg.flat(), **extra_params}.items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i:i + 100])
+    client.log_text(run_id, cfg.to_yaml(), "config/resolved.yaml")
 
 
 def dataset_input(source: DataSource, context: str, digest: str) -> DatasetInput:

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from app.config.objectives import LOWER_IS_BETTER
 from app.config.schema import FinetuneConfig
+from app.config.tune import sweep_metric, sweep_mode
 
 
 def rung_at(cfg: FinetuneConfig, step: int) -> int | None:
@@ -31,20 +31,14 @@ def rung_at(cfg: FinetuneConfig, step: int) -> int | None:
 
 
 def rung_metric(cfg: FinetuneConfig) -> str:
-    """The evaluation figure the rungs compare: tune.metric, else train.best_metric."""
-    return cfg.tune.metric or cfg.train.best_metric
-
-
-def lower_is_better(cfg: FinetuneConfig) -> bool:
-    """tune.mode, else min for losses and perplexity, max for the other figures."""
-    return (cfg.tune.mode or ("min" if rung_metric(cfg) in LOWER_IS_BETTER else "max")) == "min"
+    return sweep_metric(cfg.tune, cfg.train)
 
 
 def behind(cfg: FinetuneConfig, figures: dict[str, float]) -> dict[str, str]:
     """The adapters (name -> why) whose figure (rung_metric) at a rung is behind ASHA's cutoff; a figure that is
     not a number always is."""
     metric = rung_metric(cfg)
-    sign = -1.0 if lower_is_better(cfg) else 1.0
+    sign = -1.0 if sweep_mode(cfg.tune, cfg.train) == "min" else 1.0
     higher = {name: sign * value for name, value in figures.items() if math.isfinite(value)}
     cutoff = float(np.percentile(list(higher.values()), (1 - 1 / cfg.tune.reduction_factor) * 100)) if higher else 0
     return {name: f"asha: {metric} {figures[name]:.6g} behind the cutoff {sign * cutoff:.6g} of {len(figures)}"

@@ -35,7 +35,7 @@ from app.train.grpo import (
     summed_loss,
     token_terms,
 )
-from app.train.loss import global_target_tokens, sampled_token_logps, scaled_micro_batch_loss
+from app.train.loss import global_target_tokens, sampled_token_logps, scaled_block_losses, scaled_micro_batch_loss
 from app.train.reward_eval import evaluate_rewards
 from app.train.rollouts import Scorer
 from app.train.task_metrics import row_scores
@@ -83,6 +83,10 @@ class NextToken(AnswersOnRequest):
         """(the loss to backpropagate, its unscaled sum, sums of `metric_names`)."""
         loss, loss_sum = scaled_micro_batch_loss(model, batch, normaliser, world_size, self.chunk_tokens)
         return loss, loss_sum, torch.zeros(0, dtype=torch.float64, device=loss_sum.device)
+
+    def block_losses(self, model, batch: dict, normaliser: torch.Tensor, world_size: int, blocks: int):
+        """(the loss to backpropagate, each block's unscaled sum): `batch` holds a block of rows per adapter."""
+        return scaled_block_losses(model, batch, normaliser, world_size, blocks, self.chunk_tokens)
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return {}

@@ -18,7 +18,6 @@ with torch.multiprocessing and lists (tests/unit/train/test_recipe.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
 import time
@@ -33,6 +32,7 @@ from app.data.passes import source_key
 from app.data.stream import RankPass, RankStream
 from app.model.base import load_tokenizer
 from app.model.build import build_training_model
+from app.model.dropout import key_lora_dropout
 from app.model.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.plan.plan import Plan
 from app.runs.layout import RunDir
@@ -153,6 +153,7 @@ class FinetuneRecipe:
                                           cfg.train.seed, ctx.device, self.init_adapter,
                                           reference=self.objective.has_reference and self.init_adapter is not None)
         self.init_adapter = None  # copied into the shards
+        self.dropout_key = key_lora_dropout(self.model)
         self.params = trainable_parameters(self.model)
         self.optimizer, self.scheduler = self.build_optimizer()
 
@@ -272,22 +273,18 @@ class FinetuneRecipe:
         the loss and metric sums (this rank's)."""
         objective, ctx = self.objective, self.ctx
         sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
-        with self.dropout_draws():
-            for i, batch in enumerate(micro_batches):
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        for i, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            with self.dropout_at(i):
                 loss, loss_sum, metric_sums = objective.micro_batch_loss(self.model, batch, normaliser, ctx.world_size)
                 loss.backward()
-                sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
+            sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
         return sums
 
-    @contextlib.contextmanager
-    def dropout_draws(self):
-        """LoRA dropout's draws in a step, from a generator of (seed, step, rank): what a step draws depends on
-        nothing before it, so adapters trained side by side draw what each would alone."""
-        device = self.ctx.device
-        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
-            torch.manual_seed((self.cfg.train.seed * 1_000_003 + self.step) * 4096 + self.ctx.rank)
-            yield
+    def dropout_at(self, micro_batch: int):
+        """LoRA dropout's masks for this micro-batch of the step, drawn from (seed, step, rank, micro-batch) and each
+        layer's name (app/model/dropout.py): adapters trained side by side draw what each would alone."""
+        return self.dropout_key.at(self.cfg.train.seed, self.step, self.ctx.rank, micro_batch)
 
     def write_adapter(self, folder: Path, last_weights: dict[str, torch.Tensor]) -> None:
         """The run's adapter, as train.export chose it, into `folder` (rank 0)."""

@@ -1,12 +1,14 @@
 """Several LoRA adapters trained side by side over one sharded base (`adapters:`, app/config/adapters.py).
 
 The base is loaded and sharded once, with every adapter's LoRA weights beside it (PEFT adapters by name, all
-trainable). Each step takes the step's global batch once; then each adapter in turn runs it with the forward
-routed through its own LoRA weights alone (`activate_adapter`), its loss normalised over the batch's tokens, its
-gradients reduce-scattered and clipped by its own norm, and one AdamW steps every adapter's parameter group with
-its own learning rate and schedule. So each adapter takes the steps it takes trained alone
-(tests/unit/train/test_side_by_side.py): the same starting weights (a generator of the seed per adapter), the
-same rows, the same dropout draws (seeded by seed, step and rank, the same for every adapter).
+trainable). Each step takes the step's global batch once; then the adapters run it, train.adapters_per_micro_batch
+at a time: each micro-batch's rows copied once per adapter and each copy routed through its own adapter's LoRA
+weights (app/model/row_routing.py), so one forward and backward serves them all. Each adapter's loss is normalised
+over the batch's tokens, its gradients reduce-scattered and clipped by its own norm, and one AdamW steps every
+adapter's parameter group with its own learning rate and schedule. So each adapter takes the steps it takes
+trained alone (tests/unit/train/test_side_by_side.py): the same starting weights (a generator of the seed per
+adapter), the same rows, the same dropout masks (drawn from the position in training and the layer's name:
+app/model/dropout.py).
 
 Each adapter is ranked by train.best_metric on its own evaluations; one whose loss or gradient is not finite
 keeps its last finite weights and stops, as does one whose early-stopping patience is spent, and the others go
@@ -29,7 +31,8 @@ import torch.distributed as dist
 from app.config.adapters import AdapterSection
 from app.config.sections import TrainSection
 from app.errors import warn
-from app.model.adapter import activate_adapter, adapter_of
+from app.model.adapter import adapter_of
+from app.model.row_routing import AdapterRouting
 from app.model.sharding import full_grad_norm, reshard
 from app.train.checkpoint import TrainerState, gather_trainable_state, save_adapter
 from app.train.evaluation import BestEvaluation
@@ -63,6 +66,12 @@ def prefixed(name: str, figures: dict[str, float]) -> dict[str, float]:
     return {f"{name}/{key}": value for key, value in figures.items()}
 
 
+def copies(batch: dict, count: int) -> dict:
+    """`batch` with its rows `count` times over, one block after another (a block per adapter sharing it)."""
+    return {key: value.repeat(count, *[1] * (value.dim() - 1)) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()}
+
+
 class SideBySideRecipe(FinetuneRecipe):
     """FinetuneRecipe over the adapters of `adapters:`, every step for each adapter still training."""
 
@@ -75,6 +84,7 @@ class SideBySideRecipe(FinetuneRecipe):
 
     def build_model(self) -> None:
         super().build_model()
+        self.routing = AdapterRouting(self.model)
         if not self.cfg.fsdp.reshard_after_forward:  # each layer gathered once a step, for every adapter's pass
             self.model.set_reshard_after_backward(False)
 
@@ -104,10 +114,10 @@ class SideBySideRecipe(FinetuneRecipe):
         data_wait = time.perf_counter() - t0
         normaliser = objective.normaliser(micro_batches)
         training = [adapter for adapter in self.adapters if not adapter.stopped]
-        sums = []
-        for adapter in training:
-            activate_adapter(self.model, adapter.name)
-            sums.append(self.accumulate(micro_batches, normaliser))  # its gradients reduce-scattered after its last
+        shared, sums = self.cfg.train.adapters_per_micro_batch, []
+        for first in range(0, len(training), shared):  # their gradients reduce-scattered after their last pass
+            sums += self.accumulate_for([adapter.name for adapter in training[first:first + shared]], micro_batches,
+                                        normaliser)
         reshard(self.model)  # gathered once for every adapter's pass; the shards step next
         norms = [full_grad_norm(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[a.group]["params"],
                                                                self.cfg.train.max_grad_norm)) for a in training]
@@ -126,6 +136,25 @@ class SideBySideRecipe(FinetuneRecipe):
                 "tokens_per_second": tokens * len(training) / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
                 "data_wait_seconds": data_wait, "step_tokens": tokens, "adapters_training": len(trained),
                 "workers": ctx.world_size, **figures, **self.batches.take_figures(seconds)}
+
+    def accumulate_for(self, names: list[str], micro_batches: list[dict], normaliser: torch.Tensor
+                       ) -> list[torch.Tensor]:
+        """Forward and backward of the step's micro-batches for the adapters `names`: one adapter through PEFT's own
+        forward, or several in one pass, each micro-batch's rows copied once per adapter and each copy routed
+        through its own adapter (app/model/row_routing.py). Each adapter's loss sum (this rank's)."""
+        if len(names) == 1:
+            self.routing.activate(names[0])
+            return [self.accumulate(micro_batches, normaliser)]
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.ctx.device)
+        with self.routing.rows_through(names):
+            for i, batch in enumerate(micro_batches):
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                with self.dropout_at(i):
+                    loss, block_sums = self.objective.block_losses(self.model, copies(batch, len(names)), normaliser,
+                                                                   self.ctx.world_size, len(names))
+                    loss.backward()
+                sums += block_sums.double()
+        return list(sums.reshape(-1, 1))
 
     def adapter_steps(self, training: list[TrainedAdapter], totals: list[float]) -> dict[str, float]:
         """Each adapter's step from its reduced sums: an adapter whose loss or gradient norm is not finite is
@@ -155,7 +184,7 @@ class SideBySideRecipe(FinetuneRecipe):
         """Each adapter's evaluation, its figures under its name; the job's eval_loss is the best adapter's."""
         figures = {}
         for adapter in self.adapters:
-            activate_adapter(self.model, adapter.name)
+            self.routing.activate(adapter.name)
             adapter.eval_figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx, self.tokenizer)
             figures |= prefixed(adapter.name, adapter.eval_figures)
         losses = [a.eval_figures["eval_loss"] for a in self.adapters if math.isfinite(a.eval_figures["eval_loss"])]

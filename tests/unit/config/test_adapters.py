@@ -38,6 +38,9 @@ def test_each_adapter_is_the_job_config_with_its_own_keys():
     ([TWO, "train.objective=dpo", "data.format=preference"], "adapters: train.objective=dpo is for a job of one"),
     ([TWO, "model.compile=true"], "adapters: model.compile=true is for a job of one"),
     ([TWO, "train.checkpoint_adapter=true"], "train.checkpoint_adapter=true is for a job of one"),
+    (["train.adapters_per_micro_batch=2"], "train.adapters_per_micro_batch=2 is for a job of several adapters"),
+    ([TWO, "train.adapters_per_micro_batch=3"], "more than the job's 2 adapters"),
+    ([TWO, "train.adapters_per_micro_batch=2", "lora.use_dora=true"], "DoRA adapters take a pass each"),
 ])
 def test_what_an_adapter_cannot_set_is_one_line_naming_the_key(overrides, message):
     with pytest.raises(UserInputError) as error:

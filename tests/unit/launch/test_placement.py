@@ -91,7 +91,8 @@ def test_without_a_memory_plan_auto_takes_the_memory_saving_choices(tmp_path):
     plan = Plan(auto).decided(*memory_saving_decisions(auto))
     cfg = plan.cfg
     assert cfg.model.gradient_checkpointing is True and cfg.model.checkpoint_every_n_layers == 1
-    assert cfg.train.micro_batch_size == 1
+    assert cfg.train.micro_batch_size == 1 and cfg.train.adapters_per_micro_batch == 1  # no adapters: unsaid
     assert set(plan.reasons) == {"model.gradient_checkpointing", "train.micro_batch_size"}
     assert memory_saving_decisions(load_config(None, ["model.gradient_checkpointing=false",
+                                                      "train.adapters_per_micro_batch=1",
                                                       f"train.output_dir={tmp_path}"])) == ()

@@ -8,7 +8,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.data.chat import IGNORE_INDEX
 from app.model import segment_attention
-from app.model.segment_attention import MATMUL_UP_TO, SEGMENTS_KERNEL, segment_lengths, use_segments_on_cpu
+from app.model.segment_attention import (
+    MATMUL_UP_TO,
+    SEGMENTS_KERNEL,
+    WHOLE_ROW_UP_TO,
+    segment_lengths,
+    use_segments_on_cpu,
+)
 from app.train.loss import summed_token_loss
 from tests.helpers import ARCHITECTURES, TINY
 
@@ -61,3 +67,29 @@ def test_per_record_attention_gives_the_masked_rows_loss_and_gradients(architect
         torch.testing.assert_close(grad, masked_grads[name], rtol=1e-4, atol=1e-6 * masked_grads[name].abs().max(),
                                    msg=name)
 
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_short_rows_attend_whole_under_the_mask_by_matmuls(architecture, monkeypatch):
+    """Rows of at most WHOLE_ROW_UP_TO tokens: matmuls under the block-causal mask for the whole micro-batch (a few
+    ops for every row, where the CPU's SDPA kernel's backward is slow), SDPA's loss and gradients; longer rows
+    attend per record."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(architecture, **(TINY | ARCHITECTURES[architecture]))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    positions = torch.tensor([[p for n in (10, 1, 20, WHOLE_ROW_UP_TO - 31) for p in range(n)]] * 3)
+    ids = torch.randint(4, config.vocab_size, positions.shape, generator=torch.Generator().manual_seed(1))
+    short = {"input_ids": ids, "labels": ids.masked_fill(positions == 0, IGNORE_INDEX), "position_ids": positions}
+    masked_loss, masked_grads = _loss_and_grads(model, short)
+    use_segments_on_cpu(model)
+    records = []
+    monkeypatch.setattr(segment_attention, "causal_attention", lambda q, *rest: records.append(q.shape[2]) or
+                        causal_attention(q, *rest))
+    loss, grads = _loss_and_grads(model, short)
+    assert records == [] and loss == pytest.approx(masked_loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, masked_grads[name], rtol=1e-4, atol=1e-6 * masked_grads[name].abs().max(),
+                                   msg=name)
+    longer = {key: torch.cat([value, value[:, :2]], dim=1) for key, value in short.items()}
+    _loss_and_grads(model, longer)
+    assert sorted(set(records)) == [1, 2, 10, 20, WHOLE_ROW_UP_TO - 31]

@@ -110,3 +110,18 @@ def test_the_mesh_is_replicated_where_the_whole_model_fits_else_sharded_over_eve
     assert elastic.scaling.mesh == "replicate" and elastic.scaling.mesh_shape(7) == (7, 1)
     alone = resolve(400, *fixed, "scaling.mesh=auto", "scaling.num_workers=1", "train.global_batch_size=8").cfg
     assert alone.scaling.mesh is None and alone.scaling.mesh_shape(1) == (1,)
+
+
+def test_as_many_adapters_share_each_micro_batch_as_fit_beside_it():
+    """Each adapter sharing a micro-batch adds a copy of its rows' activations: auto takes the most that fit once
+    checkpointing, micro-batch and mesh are chosen, one when only that fits; the plan counts every adapter."""
+    adapters = "adapters=[" + ", ".join(f"{{name: a{i}, r: {8 * (1 + i % 2)}}}" for i in range(4)) + "]"
+    fixed = ["train.micro_batch_size=4", "model.gradient_checkpointing=true", "scaling.mesh=null", adapters]
+    one, four = (planned_gib(*fixed, f"train.adapters_per_micro_batch={k}") for k in (1, 4))
+    two = planned_gib(*fixed, "train.adapters_per_micro_batch=2")
+    assert one < two < four and planned_gib(*fixed[:3], "train.adapters_per_micro_batch=1") < one  # LoRA x 4
+    for budget, shared in ((four / 0.9 + 0.1, 4), (two / 0.9 + 0.01, 2), (one / 0.9 + 0.01, 1)):
+        choices = resolve(budget, *fixed)
+        assert choices.cfg.train.adapters_per_micro_batch == shared, budget
+        assert choices.reasons["train.adapters_per_micro_batch"].startswith(f"{shared} of 4 adapters")
+    assert "train.adapters_per_micro_batch" not in resolve(four / 0.9 + 0.1, *fixed[:3]).reasons  # no adapters

@@ -17,7 +17,7 @@ from app.plan.plan import MEASURED_ON_WORKERS, PER_RECORD_MODES, Decision, Plan,
 from tests.helpers import REPO
 
 AUTOS = ["model.gradient_checkpointing=auto", "train.micro_batch_size=auto", "scaling.mesh=auto", "model.compile=auto",
-         "model.dtype=auto", "fsdp.param_dtype=auto"]
+         "model.dtype=auto", "fsdp.param_dtype=auto", "train.adapters_per_micro_batch=auto"]
 WORKERS_MEASURE = MEASURED_ON_WORKERS | PER_RECORD_MODES
 SHAPE_8B = str(REPO / "benchmarks" / "shapes" / "llama31_8b.json")
 
@@ -26,7 +26,8 @@ def launch(plan: Plan) -> WorkerLaunch:
     return WorkerLaunch(plan, "run-id", 0.0, passes=None, source_names=("train",))
 
 
-RESOLVED = {"model.gradient_checkpointing": "false", "train.micro_batch_size": "4", "scaling.mesh": "replicate"}
+RESOLVED = {"model.gradient_checkpointing": "false", "train.micro_batch_size": "4", "scaling.mesh": "replicate",
+            "train.adapters_per_micro_batch": "1"}
 
 
 @pytest.mark.parametrize("key", list(RESOLVED))
@@ -44,7 +45,7 @@ def test_a_launch_with_a_driver_decision_left_auto_is_refused_naming_the_key(key
 def test_what_the_driver_decides_leaves_only_what_the_workers_measure(tmp_path):
     auto = load_config(str(REPO / "jobs" / "configs" / "llama31_8b.yaml"), AUTOS + [f"train.output_dir={tmp_path}"])
     assert set(autos_left(auto)) - WORKERS_MEASURE == {"model.gradient_checkpointing", "train.micro_batch_size",
-                                                       "scaling.mesh"}
+                                                       "scaling.mesh", "train.adapters_per_micro_batch"}
     planned = resolve_memory_choices(auto, 400 * GiB, "400 GiB", SHAPE_8B).fitting()
     for decisions in (planned, memory_saving_decisions(auto)):
         plan = Plan(auto).decided(*decisions)

@@ -1,7 +1,8 @@
 """Several adapters over one base in one worker group (`adapters:`) on a real 2-process gloo group, without Ray.
 
 The design's proof: each adapter's steps equal those of the same adapter trained alone (fp32, 1e-5 relative,
-every step), whatever its neighbours are, one of them diverging to NaN included; a run restored from a
+every step), whatever its neighbours are, one of them diverging to NaN included, in a pass of its own or sharing
+micro-batches with others (each copy of the rows through its adapter); a run restored from a
 checkpoint takes the same steps; every exported adapter is a PEFT folder that reloads and scores its own eval
 loss. Real PEFT, real FSDP2, real torch.distributed; batches are lists and checkpoints directories
 (tests/unit/train/test_recipe.py).
@@ -26,15 +27,19 @@ pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=6", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
          "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4", "train.sample_prompts=0",
          "train.learning_rate=3e-3", "model.dtype=float32", "fsdp.param_dtype=float32", "lora.dropout=0.1"]
-ADAPTERS = {"rank4": "{name: rank4, r: 4}",
-            "slow": "{name: slow, r: 8, alpha: 8, learning_rate: 1e-3, lr_schedule: constant, warmup_steps: 0}",
-            "blows_up": "{name: blows_up, learning_rate: 1e+9, lr_schedule: constant}"}
+ADAPTERS = {"blows_up": "{name: blows_up, learning_rate: 1e+9, lr_schedule: constant}",  # shares rank4's passes
+            "rank4": "{name: rank4, r: 4}",
+            "slow": "{name: slow, r: 8, alpha: 8, learning_rate: 1e-3, lr_schedule: constant, warmup_steps: 0}"}
 
 
 def _run(rank: int, world: int, embedded: dict, out: Path, reshard: bool, name: str, adapters: list[str],
          restore_from: Path | None = None) -> dict:
-    # kept gathered: in bf16 (the mixed precision of a bf16 machine), each layer gathered once a step
-    steps = [*STEPS, f"fsdp.reshard_after_forward={reshard}", *([] if reshard else ["fsdp.param_dtype=bfloat16"])]
+    # kept gathered: in bf16 (the mixed precision of a bf16 machine), each layer gathered once a step, each adapter
+    # a pass of its own; resharded: fp32, two adapters sharing each micro-batch, the third in a pass alone
+    steps = [*STEPS, f"fsdp.reshard_after_forward={reshard}",
+             *(["train.adapters_per_micro_batch=2"] if reshard else ["fsdp.param_dtype=bfloat16",
+                                                                     "train.adapters_per_micro_batch=1"])]
+    steps += ["train.adapters_per_micro_batch=1"] if len(adapters) < 2 else []
     overrides = [*steps, f"adapters=[{', '.join(adapters)}]"] if adapters else [*steps, "lora.r=4"]
     cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, str(out), *overrides)
     recipe = SideBySideRecipe if adapters else FinetuneRecipe

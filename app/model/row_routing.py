@@ -1,0 +1,95 @@
+"""Which adapter a training forward runs through: one adapter for the whole batch, or one per block of rows.
+
+Several adapters trained side by side (`adapters:`) stay trainable together; PEFT's `set_adapter` would freeze
+all but one, and PEFT's per-row `adapter_names` is refused in training mode. So the routing is the product's:
+- one adapter: every LoRA layer's active adapter set to it, and PEFT's own forward runs (`activate`);
+- several (`rows_through`): the micro-batch holds one equal, contiguous block of rows per adapter; PEFT's
+  forward runs the base layer alone (no adapter active), and a forward hook adds each block's LoRA output from
+  that block's adapter, with PEFT's own casts, dropout and scaling. A block's rows see exactly the computation
+  PEFT's single-adapter forward gives them (tests/unit/model/test_row_routing.py), and their gradients reach
+  their adapter's weights alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+NONE_ACTIVE = "__rows__"  # no adapter of that name exists: PEFT's forward runs the base layer alone
+
+
+class AdapterRouting:
+    """The LoRA layers of a PEFT model, found once, and the adapter(s) its training forward runs through."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        self.blocks: tuple[str, ...] = ()  # while routing rows: the adapter of each block, in order
+        self.hooks: list = []
+
+    def activate(self, name: str) -> None:
+        """Every LoRA layer's forward through adapter `name` alone; every adapter stays trainable."""
+        self._route_layers(name)
+        self.model.base_model.active_adapter = name
+
+    def _route_layers(self, name: str) -> None:
+        for layer in self.layers:
+            layer._active_adapter = name
+
+    @contextlib.contextmanager
+    def rows_through(self, names: list[str]):
+        """Within: the forward's rows in len(names) equal blocks, block i through adapter names[i]."""
+        if len(names) == 1:
+            self.activate(names[0])
+            yield
+            return
+        if not self.hooks:
+            if other := [layer for layer in self.layers if not isinstance(layer, LoraLinear) or layer.lora_variant]:
+                raise NotImplementedError(f"adapters sharing a micro-batch route plain LoRA Linear layers only, not "
+                                          f"{type(other[0]).__name__} {other[0].lora_variant or ''}; set "
+                                          "train.adapters_per_micro_batch=1")
+            self.hooks = [layer.register_forward_hook(self._add_blocks) for layer in self.layers]
+        self.model.base_model.active_adapter = names[0]  # what PEFT's model-level code reads; the layers run none
+        self._route_layers(NONE_ACTIVE)
+        self.blocks = tuple(names)
+        try:
+            yield
+        finally:
+            self.blocks = ()
+
+    def _add_blocks(self, layer: LoraLinear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """The base layer's `output` plus each block's LoRA output (what PEFT's Linear.forward adds)."""
+        if not self.blocks:
+            return None
+        x = args[0].reshape(-1, args[0].shape[-1])  # packed rows laid end to end (flash) block the same way
+        rows, left = divmod(x.shape[0], len(self.blocks))
+        if left:
+            raise ValueError(f"{x.shape[0]} positions do not split into {len(self.blocks)} adapters' blocks")
+        blocks = x.split(rows)  # one split: its backward is one cat
+        added: list[torch.Tensor | None] = [None] * len(self.blocks)
+        for group in same_shape_groups(layer, self.blocks):  # one batched product per LoRA rank and scaling
+            names = [self.blocks[i] for i in group]
+            dtype = layer.lora_A[names[0]].weight.dtype
+            inputs = torch.stack([layer.lora_dropout[name](layer._cast_input_dtype(blocks[i], dtype))
+                                  for i, name in zip(group, names, strict=True)])
+            down = torch.stack([layer.lora_A[name].weight for name in names]).transpose(1, 2)
+            up = torch.stack([layer.lora_B[name].weight for name in names]).transpose(1, 2)
+            scaled = torch.bmm(torch.bmm(inputs, down), up) * layer.scaling[names[0]]  # a float, as PEFT's
+            for i, lora in zip(group, scaled, strict=True):
+                added[i] = lora
+        zeros = output.new_zeros(rows, output.shape[-1])  # the blocks of adapters that do not target this layer
+        lora = torch.cat([zeros if block is None else block for block in added])
+        return (output + lora.view(*output.shape[:-1], -1)).to(output.dtype)
+
+
+def same_shape_groups(layer: LoraLinear, blocks: tuple[str, ...]) -> list[list[int]]:
+    """The blocks whose adapters target `layer`, grouped by LoRA rank (their weights stack) and scaling."""
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, name in enumerate(blocks):
+        if name in layer.lora_A:
+            groups.setdefault((layer.r[name], layer.scaling[name]), []).append(i)
+    return list(groups.values())

@@ -4,12 +4,14 @@
 
     python -m benchmarks.many_adapters --config jobs/configs/embedded.yaml
     python -m benchmarks.many_adapters --config jobs/configs/smollm2_sft.yaml --set train.max_steps=10
+    python -m benchmarks.many_adapters --tenants    # each adapter its own data: a shard of the train and eval sets
 
-Each single job is the adapter's config alone (no `adapters:`, its rank and learning rate in lora: and train:),
-the plain single-adapter recipe users run today. Both sides run in this process through the job's own
-`run_finetune` (no job submission on either side). Figures: the wall time of the one job and of the jobs in all,
-their ratio, peak memory per worker on each side, and each adapter's final eval loss in the one job and alone with
-the largest relative difference. Prints one JSON line and writes <out>/many_adapters.json.
+Each single job is the adapter's config alone (`FinetuneConfig.adapter_alone`: no `adapters:`, its rank, learning
+rate and data in lora:, train: and data:), the plain single-adapter recipe users run today. Both sides run in this
+process through the job's own `run_finetune` (no job submission on either side). Figures: the wall time of the one
+job and of the jobs in all, their ratio, peak memory per worker on each side, and each adapter's final eval loss in
+the one job and alone with the largest relative difference. Prints one JSON line and writes
+<out>/many_adapters.json.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     p.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3], help="learning rates")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="LoRA ranks (alpha 2r)")
+    p.add_argument("--tenants", action="store_true", help="each adapter trains on data of its own: shard i of the "
+                   "config's train and eval records (every n-th record from the i-th)")
     p.add_argument("--out", default="outputs/benchmark/many_adapters")
     return p.parse_args(argv)
 
@@ -44,8 +48,21 @@ def sweep(lrs: list[float], ranks: list[int]) -> list[dict]:
             for lr in lrs for r in ranks]
 
 
-def timed_job(config: str, overrides: list[str]) -> tuple[dict, float]:
-    cfg = load_config(config, overrides)
+def with_tenant_data(adapters: list[dict], train: str, eval_: str, folder: Path) -> list[dict]:
+    """Each adapter with its own train and eval records: the i-th of every len(adapters) records of each file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, adapter in enumerate(adapters):
+        paths = {}
+        for key, source in (("train_path", train), ("eval_path", eval_)):
+            lines = Path(source).read_text().splitlines()[i::len(adapters)]
+            paths[key] = str(folder / f"{adapter['name']}-{key.removesuffix('_path')}.jsonl")
+            Path(paths[key]).write_text("\n".join(lines) + "\n")
+        shards.append(adapter | paths)
+    return shards
+
+
+def timed_job(cfg) -> tuple[dict, float]:
     t0 = time.perf_counter()
     summary = run_finetune(cfg)
     return summary, time.perf_counter() - t0
@@ -55,19 +72,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     adapters = sweep(args.lrs, args.ranks)
-    ensure_embedded(load_config(args.config, args.set))
+    base = load_config(args.config, args.set)
+    ensure_embedded(base)
+    if args.tenants:
+        adapters = with_tenant_data(adapters, base.data.train_path, base.data.eval_path, out / "tenants")
     common = [*args.set, "train.sample_prompts=0", f"train.output_dir={out}", "train.eval_on_start=false"]
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    together_cfg = load_config(args.config, [*common, f"train.run_name=together-{stamp}",
+                                             f"adapters={json.dumps(adapters)}"])
     with state_api_address_pinned() as port:
         ray.init(address="local", num_cpus=(os.cpu_count() or 1) + 2, dashboard_port=port)
-        together, together_seconds = timed_job(args.config, [*common, f"train.run_name=together-{stamp}",
-                                                             f"adapters={json.dumps(adapters)}"])
-        alone = {}
-        for adapter in adapters:
-            alone_set = [f"lora.r={adapter['r']}", f"lora.alpha={adapter['alpha']}",
-                         f"train.learning_rate={adapter['learning_rate']}"]
-            alone[adapter["name"]] = timed_job(args.config, [*common, *alone_set,
-                                                             f"train.run_name=alone-{adapter['name']}-{stamp}"])
+        together, together_seconds = timed_job(together_cfg)
+        alone = {adapter.name: timed_job(together_cfg.adapter_alone(adapter).with_set(
+            {"train.run_name": f"alone-{adapter.name}-{stamp}"})) for adapter in together_cfg.adapters}
         ray.shutdown()
     result = figures(args, adapters, together, together_seconds, alone)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +97,8 @@ def figures(args, adapters: list[dict], together: dict, together_seconds: float,
     losses = {a["name"]: {"together": together["adapters"][a["name"]]["final_eval_loss"],
                           "alone": alone[a["name"]][0]["final_eval_loss"]} for a in adapters}
     alone_seconds = sum(seconds for _, seconds in alone.values())
-    return {"config": args.config, "overrides": args.set, "adapters": len(adapters), "steps": together["steps"],
+    return {"config": args.config, "overrides": args.set, "adapters": len(adapters), "tenants": args.tenants,
+            "steps": together["steps"],
             "one_job_seconds": round(together_seconds, 1),
             "separate_job_seconds": [round(seconds, 1) for _, seconds in alone.values()],
             "separate_jobs_seconds": round(alone_seconds, 1),

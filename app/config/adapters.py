@@ -1,26 +1,28 @@
 """`adapters:`: several named LoRA adapters trained side by side over one base in one job.
 
-Each adapter may set its own LoRA shape and its own learning rate and schedule; every key it leaves unset is
-the job's (`lora.*`, `train.*`). What it cannot set is what the adapters share: the base and its loading, the
-data and its sequence length, the batch, the objective, the steps. Without the section a run trains one adapter
-from `lora:` as it always has.
+Each adapter may set its own LoRA shape, its own learning rate and schedule, and its own data (train sources,
+mixture shares, eval set); every key it leaves unset is the job's (`lora.*`, `train.*`, `data.*`). What it
+cannot set is what the adapters share: the base and its loading, the record format and sequence length, the
+batch, the objective, the steps. Without the section a run trains one adapter from `lora:` as it always has.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from app.config.objectives import objective_of
-from app.config.sections import LoraSection, ModelSection, Section, TrainSection
+from app.config.sections import DataSection, LoraSection, ModelSection, Section, TrainSection
 from app.config.tune import TuneSection
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a torch module name: no "."
 RESERVED_NAMES = ("default", "reference")  # PEFT's and DPO's adapter names in a single-adapter run
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "use_rslora")
 TRAIN_KEYS = ("learning_rate", "lr_schedule", "warmup_steps")
+DATA_KEYS = ("train_path", "mixture_weights", "eval_path")
 
 
 class AdapterSection(Section):
@@ -39,6 +41,12 @@ class AdapterSection(Section):
     lr_schedule: Literal["cosine", "linear", "constant"] | None = Field(None, description="decay after warm-up "
                                                                           "(unset: train.lr_schedule)")
     warmup_steps: int | None = Field(None, ge=0, description="linear warm-up steps (unset: train.warmup_steps)")
+    train_path: str | list[str] | None = Field(None, description="its own training data, as data.train_path (a "
+                                               "list: a mixture); unset: the job's")
+    mixture_weights: list[float] | None = Field(None, description="its own shares of its train sources, as "
+                                                "data.mixture_weights (unset: data.mixture_weights)")
+    eval_path: str | None = Field(None, description="its own held-out data, as data.eval_path; unset with its own "
+                                  "train_path: data.eval_fraction of it held out; unset otherwise: the job's")
 
     @model_validator(mode="before")
     @classmethod
@@ -47,7 +55,8 @@ class AdapterSection(Section):
             for key in data:
                 if key not in cls.model_fields:
                     raise ValueError(f"{key!r} is the job's, shared by every adapter (an adapter sets only "
-                                     f"{', '.join(LORA_KEYS + TRAIN_KEYS)}); set it outside adapters:")
+                                     f"{', '.join(LORA_KEYS + TRAIN_KEYS + DATA_KEYS)}); set it outside "
+                                     "adapters:")
         return data
 
     def lora_of(self, job: LoraSection) -> LoraSection:
@@ -58,12 +67,35 @@ class AdapterSection(Section):
         """The job's train section with this adapter's learning rate and schedule."""
         return TrainSection(**(job.model_dump() | self._set(TRAIN_KEYS)))
 
-    def alone_values(self) -> dict[str, Any]:
+    @property
+    def has_own_data(self) -> bool:
+        """It sets a data key: its rows (and eval rows) are built and streamed apart from the job's."""
+        return bool(self._set(DATA_KEYS))
+
+    def data_of(self, job: DataSection) -> DataSection:
+        """The job's data section with this adapter's sources; its own train sources without an eval set of its own
+        hold out data.eval_fraction of them, not the job's eval set."""
+        own = self._set(DATA_KEYS)
+        if "train_path" in own:
+            own.setdefault("eval_path", None)
+            own.setdefault("mixture_weights", None)
+        return DataSection(**(job.model_dump() | own))
+
+    def alone_values(self, job_data: DataSection) -> dict[str, Any]:
         """What `FinetuneConfig.with_set` takes to make the job's config this adapter's alone: no adapters: (nor a
-        sweep in one job, nor adapters sharing micro-batches), its keys in lora: and train:."""
+        sweep in one job, nor adapters sharing micro-batches), its keys in lora:, train: and data:."""
+        data = self.data_of(job_data)
         return ({"adapters": [], "tune.in_one_job": False, "train.adapters_per_micro_batch": 1}
                 | {f"lora.{key}": value for key, value in self._set(LORA_KEYS).items()}
-                | {f"train.{key}": value for key, value in self._set(TRAIN_KEYS).items()})
+                | {f"train.{key}": value for key, value in self._set(TRAIN_KEYS).items()}
+                | ({f"data.{key}": getattr(data, key) for key in DATA_KEYS} if self.has_own_data else {}))
+
+    def with_paths(self, resolve: Callable[[str | None], str | None]) -> AdapterSection:
+        """This adapter with its data locations passed through `resolve` (made absolute where they are read)."""
+        paths = self.train_path if isinstance(self.train_path, list) else [self.train_path]
+        train = [resolve(path) for path in paths]
+        return AdapterSection(**(self.model_dump() | {"train_path": train if isinstance(self.train_path, list)
+                                                      else train[0], "eval_path": resolve(self.eval_path)}))
 
     def _set(self, keys: tuple[str, ...]) -> dict[str, Any]:
         return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
@@ -118,4 +150,15 @@ def adapters_share_what_they_can(adapters: list[AdapterSection], train: TrainSec
     if lora.use_dora:
         return ("train.adapters_per_micro_batch>1 with lora.use_dora: DoRA adapters take a pass each; set "
                 "train.adapters_per_micro_batch to 1 or auto")
+    return None
+
+
+def adapter_data_is_whole(adapters: list[AdapterSection], data: DataSection) -> str | None:
+    """An adapter's own data, checked as the job's is: a share per source."""
+    for adapter in adapters:
+        own = adapter.data_of(data)
+        weights = own.mixture_weights
+        if weights is not None and (len(weights) != len(own.train_paths) or min(weights) <= 0):
+            return (f"adapters: {adapter.name}'s mixture_weights={weights} must give one positive weight for each of "
+                    f"the {len(own.train_paths)} sources in its train_path (unset: the job's data.train_path)")
     return None

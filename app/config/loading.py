@@ -126,6 +126,7 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
         "data.train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
                             else [paths.input_path(p) for p in cfg.data.train_path]),
         "data.eval_path": paths.input_path(cfg.data.eval_path),
+        "adapters": [adapter.with_paths(paths.input_path).model_dump(exclude_none=True) for adapter in cfg.adapters],
         "data.chat_template": _template_text(cfg.data.chat_template),
         "data.format": record_format or cfg.data.format,
         "data.packing": cfg.data.packing and not record_format,

@@ -29,8 +29,11 @@ is logged to MLflow as `config/resolved.yaml` and loads again with `--config`.
 
 
 def type_name(annotation) -> str:
-    """`int`, `bool`, `"cosine" | "linear"`, `list[str] | "all-linear"`, ... as a reader writes them."""
+    """`int`, `bool`, `"cosine" | "linear"`, `list[str] | "all-linear"`, `int (> 0) | "auto"`, ... as a reader writes
+    them."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained member of a union: `int (> 0) | "auto"`
+        return type_name(args[0]) + bounds([c for meta in args[1:] for c in getattr(meta, "metadata", [meta])])
     if origin is typing.Literal:
         return " \\| ".join(f'"{a}"' for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -9,6 +9,7 @@ it into the job's one-line error).
 from __future__ import annotations
 
 from app.config.adapters import (
+    adapter_data_is_whole,
     adapters_are_named_once,
     adapters_share_what_they_can,
     adapters_train_what_one_job_can,
@@ -192,4 +193,4 @@ RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, o
          elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
          staleness_is_counted_in_steps,
          tune_ranks_by_a_reported_figure, adapters_are_named_once, adapters_train_what_one_job_can,
-         one_job_sweeps_have_adapters, adapters_share_what_they_can)
+         one_job_sweeps_have_adapters, adapters_share_what_they_can, adapter_data_is_whole)

@@ -80,6 +80,10 @@ class FinetuneConfig(Section):
                 tree[section] = value
         return type(self).model_validate(tree)
 
+    def adapter_alone(self, adapter: AdapterSection) -> FinetuneConfig:
+        """The config `adapter` of adapters: would train with alone: its export's and its nested run's."""
+        return self.with_set(adapter.alone_values(self.data))
+
     def trained_lora(self) -> LoraSection | dict[str, LoraSection]:
         """The adapter the run trains (lora:), or its adapters by name (adapters:)."""
         return {adapter.name: adapter.lora_of(self.lora) for adapter in self.adapters} if self.adapters else self.lora

@@ -162,9 +162,10 @@ class TrainSection(Section):
                        "global batch; auto: the largest that splits the global batch and fits the memory plan "
                        "with the fewest checkpointed layers")
     adapters_per_micro_batch: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
-        "auto", description="with adapters: how many adapters' copies of a micro-batch run in one forward and "
-                            "backward (each block of rows through its own adapter; 1: each adapter a pass of its "
-                            "own); auto: as many as fit the memory plan beside the micro-batch")
+        "auto", description="with adapters: how many adapters' micro-batches run in one forward and backward (a "
+                            "block of rows each, the job's rows copied or an adapter's own, each through its own "
+                            "adapter; 1: each adapter a pass of its own); auto: as many as fit the memory plan "
+                            "beside the micro-batch")
     learning_rate: float = Field(2e-4, gt=0.0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")

@@ -56,7 +56,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     check_tracking_server(cfg.mlflow.tracking_uri)
     check_run_dir(cfg.run_dir, resume)
     if resume:
-        check_resumed_data(cfg.run_dir, cfg.data.train_paths, sources.train_digests)
+        check_resumed_data(cfg.run_dir, *sources.every_train_source())
     plan, inputs = checked_while_ray_starts(plan, sources, startup, verbose)
     check_placement(plan.cfg)
     from app.launch.memory_budget import memory_decisions  # start-up: the planner, loaded by the checks' thread

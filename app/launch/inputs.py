@@ -10,6 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from app.config.schema import FinetuneConfig
+from app.config.sections import DataSection
 from app.data.gym_tasks import is_task_source, questions_of
 from app.data.sources import DataSource, checked_records, resolve_source, source_digest
 from app.errors import UserInputError, first_line
@@ -27,6 +28,20 @@ class CheckedSources:
     eval_rows: int
     train_digests: list[str]  # app.data.sources.source_digest of each train source
     eval_digest: str | None
+    adapters: dict[str, CheckedSources]  # each adapter with data of its own (adapters:): its sources
+
+    def datasets(self) -> list[tuple[str, DataSource, str]]:
+        """(context, source, digest) of every source the job reads, its adapters' included ("train/<name>")."""
+        own = [("train", source, digest) for source, digest in zip(self.train, self.train_digests, strict=True)]
+        own += [("eval", self.eval, self.eval_digest)] if self.eval else []
+        return own + [(f"{context}/{name}", source, digest) for name, sources in self.adapters.items()
+                      for context, source, digest in sources.datasets()]
+
+    def every_train_source(self) -> tuple[list[str], list[str]]:
+        """(locations, digests) of the job's train sources, then each adapter's: what a resumed run must find."""
+        train = [(source.location, digest) for source, digest in zip(self.train, self.train_digests, strict=True)]
+        train += [pair for sources in self.adapters.values() for pair in zip(*sources.every_train_source())]
+        return [location for location, _ in train], [digest for _, digest in train]
 
 
 @dataclass(frozen=True)
@@ -47,15 +62,22 @@ def plan_files(cfg: FinetuneConfig) -> tuple[Plan, CheckedSources]:
 
 def checked_sources(cfg: FinetuneConfig) -> CheckedSources:
     """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
-    local record."""
+    local record, the job's and each adapter's."""
     check_model_files(cfg.model)
-    eval_ = resolve_source(cfg.data.eval_path, "data.eval_path") if cfg.data.eval_path else None
-    held_out = frozenset(questions_of(eval_.files[0])) if is_task_source(cfg.data.eval_path) else frozenset()
-    train = [resolve_source(path, "data.train_path", held_out) for path in cfg.data.train_paths]
-    train_rows = [checked_records(source, cfg.data.format, "data.train_path", cfg.data.split) for source in train]
-    eval_rows = checked_records(eval_, cfg.data.format, "data.eval_path", cfg.data.split) if eval_ else -1
+    adapters = {adapter.name: checked_data(adapter.data_of(cfg.data), f"adapters.{adapter.name}.", {})
+                for adapter in cfg.adapters if adapter.has_own_data}
+    return checked_data(cfg.data, "data.", adapters)
+
+
+def checked_data(data: DataSection, key: str, adapters: dict[str, CheckedSources]) -> CheckedSources:
+    """One data section's sources and records; errors name `key` (data. or adapters.<name>.) and the field."""
+    eval_ = resolve_source(data.eval_path, f"{key}eval_path") if data.eval_path else None
+    held_out = frozenset(questions_of(eval_.files[0])) if is_task_source(data.eval_path) else frozenset()
+    train = [resolve_source(path, f"{key}train_path", held_out) for path in data.train_paths]
+    train_rows = [checked_records(source, data.format, f"{key}train_path", data.split) for source in train]
+    eval_rows = checked_records(eval_, data.format, f"{key}eval_path", data.split) if eval_ else -1
     return CheckedSources(train, eval_, train_rows, eval_rows, [source_digest(source) for source in train],
-                          source_digest(eval_) if eval_ else None)
+                          source_digest(eval_) if eval_ else None, adapters)
 
 
 def check_tracking_server(uri: str, timeout_s: float = 10.0) -> None:

@@ -38,7 +38,8 @@ class Job:
 class WorkerLaunch:
     """What the driver hands every worker: the run's plan, the MLflow run to log to, and the actor
     that gives each rank its rows of every pass over the training data and the eval rows
-    (app.data.coordinator.PassCoordinator; they may still be being built when the workers start)."""
+    (app.data.coordinator.PassCoordinator; they may still be being built when the workers start), and one such
+    actor for each adapter with data of its own."""
 
     plan: Plan
     mlflow_run_id: str
@@ -51,6 +52,7 @@ class WorkerLaunch:
     init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
     rollouts: tuple = ()  # GRPO's rollout actors (app/launch/rollout_group.py)
     trial: TrialLink | None = None  # a sweep's trial: where it starts, and that its reports may be its last
+    adapter_passes: dict = field(default_factory=dict)  # adapters with data of their own: name -> its coordinator
 
     def __post_init__(self):
         # a launch step skipped: the workers would read `auto` where they expect a size or a choice

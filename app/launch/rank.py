@@ -98,17 +98,19 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
     cfg = plan.cfg  # until the recipe has decided what the workers measure: the same but dtypes and compile
     context = ray.train.get_context()
     ctx = RankContext(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device())
-    eval_rows: list[dict] = []  # every rank holds the whole eval set (evaluation deals it out), read once
+    eval_rows: dict[str, dict] = {}  # every rank holds each whole eval set (evaluation deals it out), read once
 
-    def train_pass(pass_index: int):
-        [rows] = ray.get(launch.passes.rank_rows.remote(pass_index, ctx.rank, ctx.world_size))
+    def train_pass(pass_index: int, data: str = ""):
+        """This rank's rows of a pass over the job's data, or with `data` an adapter's own (adapters:)."""
+        passes = launch.adapter_passes[data] if data else launch.passes
+        [rows] = ray.get(passes.rank_rows.remote(pass_index, ctx.rank, ctx.world_size))
         return batches_of(ray.get(rows), plan.rows_per_batch(ctx.world_size))
 
-    def eval_pass():
-        if not eval_rows:
-            [rows] = ray.get(launch.passes.eval_rows.remote())
-            eval_rows.append(ray.get(rows))
-        return column_batches(eval_rows[0], cfg.train.micro_batch_size, ctx.device)
+    def eval_pass(data: str = ""):
+        if data not in eval_rows:
+            [rows] = ray.get((launch.adapter_passes[data] if data else launch.passes).eval_rows.remote())
+            eval_rows[data] = ray.get(rows)
+        return column_batches(eval_rows[data], cfg.train.micro_batch_size, ctx.device)
 
     export_tracking_credentials()  # the config holds the URI without them
     for variable, value in launch.mlflow_credentials.items():

@@ -59,11 +59,9 @@ def open_mlflow_run(plan: Plan, inputs: CheckedInputs, run_to_continue: str | No
     if run_to_continue is not None:
         mlflow_run.reopen_run(cfg.mlflow.tracking_uri, run_to_continue, tags, cfg.model.revision)
         return run_to_continue
-    datasets = [("train", source, digest) for source, digest in zip(inputs.train, inputs.train_digests)]
-    datasets += [("eval", inputs.eval, inputs.eval_digest)] if inputs.eval else []
     run_id = mlflow_run.start_run(cfg, tags, {"data.train_rows": sum(inputs.train_rows),
-                                              "data.eval_rows": inputs.eval_rows}, datasets, plan.requested)
-    cfg.run_dir.write_record(run_id, inputs.train_digests)
+                                              "data.eval_rows": inputs.eval_rows}, inputs.datasets(), plan.requested)
+    cfg.run_dir.write_record(run_id, inputs.every_train_source()[1])
     return run_id
 
 

@@ -20,18 +20,18 @@ from app.model.sharding import process_group_backend
 from app.train import host_memory
 
 
-def build_trainer(job: Job, passes, rollouts: list = ()) -> TorchTrainer:
+def build_trainer(job: Job, passes: dict, rollouts: list = ()) -> TorchTrainer:
     """The worker group of the run: each worker runs app/launch/worker.py's `train_worker` with a WorkerLaunch
-    (the run's plan, the MLflow run, the pass coordinator, the starting adapter's weights through the object
-    store, GRPO's rollout actors, and the MLflow credentials, which travel with the function, never in an
-    environment)."""
+    (the run's plan, the MLflow run, the pass coordinators by data (app/launch/data_build.py), the starting
+    adapter's weights through the object store, GRPO's rollout actors, and the MLflow credentials, which travel
+    with the function, never in an environment)."""
     cfg, inputs = job.cfg, job.inputs
     credentials = {k: os.environ[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
                    if k in os.environ}
-    launch = WorkerLaunch(job.plan, job.run_id, job.startup.job_start_time, passes,
+    launch = WorkerLaunch(job.plan, job.run_id, job.startup.job_start_time, passes[""],
                           source_names([s.location for s in inputs.train]), credentials,
                           ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts),
-                          job.trial)
+                          job.trial, {name: coordinator for name, coordinator in passes.items() if name})
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     return TorchTrainer(
         functools.partial(train_worker, launch),

@@ -3,7 +3,7 @@
 Several adapters trained side by side (`adapters:`) stay trainable together; PEFT's `set_adapter` would freeze
 all but one, and PEFT's per-row `adapter_names` is refused in training mode. So the routing is the product's:
 - one adapter: every LoRA layer's active adapter set to it, and PEFT's own forward runs (`activate`);
-- several (`rows_through`): the micro-batch holds one equal, contiguous block of rows per adapter; PEFT's
+- several (`rows_through`): the micro-batch holds one contiguous block of rows per adapter; PEFT's
   forward runs the base layer alone (no adapter active), and a forward hook adds each block's LoRA output from
   that block's adapter, with PEFT's own casts, dropout and scaling. A block's rows see exactly the computation
   PEFT's single-adapter forward gives them (tests/unit/model/test_row_routing.py), and their gradients reach
@@ -29,6 +29,7 @@ class AdapterRouting:
         self.model = model
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         self.blocks: tuple[str, ...] = ()  # while routing rows: the adapter of each block, in order
+        self.block_rows: tuple[int, ...] = ()  # and its rows
         self.hooks: list = []
 
     def activate(self, name: str) -> None:
@@ -41,8 +42,9 @@ class AdapterRouting:
             layer._active_adapter = name
 
     @contextlib.contextmanager
-    def rows_through(self, names: list[str]):
-        """Within: the forward's rows in len(names) equal blocks, block i through adapter names[i]."""
+    def rows_through(self, names: list[str], rows: list[int] | None = None):
+        """Within: the forward's rows in len(names) blocks (of `rows[i]` rows each; None: equal), block i through
+        adapter names[i]."""
         if len(names) == 1:
             self.activate(names[0])
             yield
@@ -55,23 +57,28 @@ class AdapterRouting:
             self.hooks = [layer.register_forward_hook(self._add_blocks) for layer in self.layers]
         self.model.base_model.active_adapter = names[0]  # what PEFT's model-level code reads; the layers run none
         self._route_layers(NONE_ACTIVE)
-        self.blocks = tuple(names)
+        self.blocks, self.block_rows = tuple(names), tuple(rows or [1] * len(names))
         try:
             yield
         finally:
             self.blocks = ()
+
+    def size_blocks(self, rows: list[int]) -> None:
+        """Within `rows_through`: the rows of each block in the forwards that follow (until sized again)."""
+        self.block_rows = tuple(rows)
 
     def _add_blocks(self, layer: LoraLinear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         """The base layer's `output` plus each block's LoRA output (what PEFT's Linear.forward adds)."""
         if not self.blocks:
             return None
         x = args[0].reshape(-1, args[0].shape[-1])  # packed rows laid end to end (flash) block the same way
-        rows, left = divmod(x.shape[0], len(self.blocks))
+        per_row, left = divmod(x.shape[0], sum(self.block_rows))
         if left:
-            raise ValueError(f"{x.shape[0]} positions do not split into {len(self.blocks)} adapters' blocks")
-        blocks = x.split(rows)  # one split: its backward is one cat
+            raise ValueError(f"{x.shape[0]} positions do not split into blocks of {self.block_rows} rows")
+        sizes = [rows * per_row for rows in self.block_rows]
+        blocks = x.split(sizes)  # one split: its backward is one cat
         added: list[torch.Tensor | None] = [None] * len(self.blocks)
-        for group in same_shape_groups(layer, self.blocks):  # one batched product per LoRA rank and scaling
+        for group in same_shape_groups(layer, self.blocks, sizes):  # one batched product per shape
             names = [self.blocks[i] for i in group]
             dtype = layer.lora_A[names[0]].weight.dtype
             inputs = torch.stack([layer.lora_dropout[name](layer._cast_input_dtype(blocks[i], dtype))
@@ -81,15 +88,16 @@ class AdapterRouting:
             scaled = torch.bmm(torch.bmm(inputs, down), up) * layer.scaling[names[0]]  # a float, as PEFT's
             for i, lora in zip(group, scaled, strict=True):
                 added[i] = lora
-        zeros = output.new_zeros(rows, output.shape[-1])  # the blocks of adapters that do not target this layer
-        lora = torch.cat([zeros if block is None else block for block in added])
+        lora = torch.cat([output.new_zeros(size, output.shape[-1]) if block is None else block  # not targeted
+                          for block, size in zip(added, sizes, strict=True)])
         return (output + lora.view(*output.shape[:-1], -1)).to(output.dtype)
 
 
-def same_shape_groups(layer: LoraLinear, blocks: tuple[str, ...]) -> list[list[int]]:
-    """The blocks whose adapters target `layer`, grouped by LoRA rank (their weights stack) and scaling."""
-    groups: dict[tuple[int, float], list[int]] = {}
-    for i, name in enumerate(blocks):
+def same_shape_groups(layer: LoraLinear, blocks: tuple[str, ...], sizes: list[int]) -> list[list[int]]:
+    """The blocks whose adapters target `layer`, grouped by LoRA rank (their weights stack), scaling and block
+    size (their inputs stack)."""
+    groups: dict[tuple[int, float, int], list[int]] = {}
+    for i, (name, size) in enumerate(zip(blocks, sizes, strict=True)):
         if name in layer.lora_A:
-            groups.setdefault((layer.r[name], layer.scaling[name]), []).append(i)
+            groups.setdefault((layer.r[name], layer.scaling[name], size), []).append(i)
     return list(groups.values())

@@ -51,7 +51,7 @@ def record_adapter_runs(cfg: FinetuneConfig, run_id: str, summary: dict) -> dict
                    for point in client.get_metric_history(run_id, key)]
         for i in range(0, len(metrics), BATCH):
             client.log_batch(child, metrics=metrics[i:i + BATCH])
-        alone = cfg.with_set(adapter.alone_values())
+        alone = cfg.adapter_alone(adapter)
         log_config(client, child, alone, {})
         folder = str(Path(adapter_folder) / adapter.name)
         client.log_artifacts(child, folder, "adapter")

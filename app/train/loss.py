@@ -45,15 +45,18 @@ def scaled_micro_batch_loss(model, batch: dict, global_tokens: torch.Tensor, wor
     return token_sum * (world_size / global_tokens), token_sum.detach()
 
 
-def scaled_block_losses(model, batch: dict, global_tokens: torch.Tensor, world_size: int, blocks: int,
+def scaled_block_losses(model, batch: dict, global_tokens: torch.Tensor, world_size: int, block_rows: list[int],
                         chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """scaled_micro_batch_loss for a micro-batch of `blocks` equal blocks of rows (adapters sharing it, each its
-    own copy of the rows: app/model/row_routing.py); returns (the loss, each block's unscaled token sum)."""
+    """scaled_micro_batch_loss for a micro-batch of blocks of rows, `block_rows[i]` rows each (adapters sharing it,
+    each its own rows: app/model/row_routing.py), block i's loss normalised by `global_tokens[i]`; returns (the
+    loss, each block's unscaled token sum)."""
     losses = token_losses(model, batch, chunk_tokens).flatten()
-    if losses.numel() % blocks:  # rows laid end to end (flash): the first position has no loss; every row's first
+    rows = sum(block_rows)
+    if losses.numel() % rows:  # rows laid end to end (flash): the first position has no loss; every row's first
         losses = F.pad(losses, (1, 0))  # label is masked, so no block's loss reaches into the next
-    block_sums = losses.view(blocks, -1).sum(1)
-    return block_sums.sum() * (world_size / global_tokens), block_sums.detach()
+    per_row = losses.numel() // rows
+    block_sums = torch.stack([block.sum() for block in losses.split([r * per_row for r in block_rows])])
+    return (block_sums * (world_size / global_tokens)).sum(), block_sums.detach()  # each block's scale, as alone
 
 
 def summed_token_loss(model, batch: dict, chunk_tokens: int = 0) -> torch.Tensor:

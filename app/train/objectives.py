@@ -84,9 +84,10 @@ class NextToken(AnswersOnRequest):
         loss, loss_sum = scaled_micro_batch_loss(model, batch, normaliser, world_size, self.chunk_tokens)
         return loss, loss_sum, torch.zeros(0, dtype=torch.float64, device=loss_sum.device)
 
-    def block_losses(self, model, batch: dict, normaliser: torch.Tensor, world_size: int, blocks: int):
-        """(the loss to backpropagate, each block's unscaled sum): `batch` holds a block of rows per adapter."""
-        return scaled_block_losses(model, batch, normaliser, world_size, blocks, self.chunk_tokens)
+    def block_losses(self, model, batch: dict, normalisers: torch.Tensor, world_size: int, block_rows: list[int]):
+        """(the loss to backpropagate, each block's unscaled sum): `batch` holds a block of rows per adapter, each
+        normalised by its own adapter's global batch."""
+        return scaled_block_losses(model, batch, normalisers, world_size, block_rows, self.chunk_tokens)
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return {}

@@ -271,15 +271,24 @@ class FinetuneRecipe:
     def accumulate(self, micro_batches: list[dict], normaliser: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the step's micro-batches, gradients reduce-scattered after the last one;
         the loss and metric sums (this rank's)."""
-        objective, ctx = self.objective, self.ctx
-        sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=ctx.device)  # loss, metrics
+        def loss_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            loss, loss_sum, metric_sums = self.objective.micro_batch_loss(self.model, batch, normaliser,
+                                                                          self.ctx.world_size)
+            return loss, torch.cat([loss_sum.double().reshape(1), metric_sums])
+
+        return self.backward_over(micro_batches, loss_of)
+
+    def backward_over(self, micro_batches: list, loss_of: Callable) -> torch.Tensor:
+        """`loss_of(batch)` -> (loss, sums) for each micro-batch, each loss backpropagated under its micro-batch's
+        dropout key, gradients reduce-scattered after the last one; the sums added up (this rank's)."""
+        total = 0
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with self.dropout_at(i):
-                loss, loss_sum, metric_sums = objective.micro_batch_loss(self.model, batch, normaliser, ctx.world_size)
+                loss, sums = loss_of(batch)
                 loss.backward()
-            sums += torch.cat([loss_sum.double().reshape(1), metric_sums])
-        return sums
+            total = total + sums.double()
+        return total
 
     def dropout_at(self, micro_batch: int):
         """LoRA dropout's masks for this micro-batch of the step, drawn from (seed, step, rank, micro-batch) and each

@@ -1,10 +1,12 @@
 """Several LoRA adapters trained side by side over one sharded base (`adapters:`, app/config/adapters.py).
 
 The base is loaded and sharded once, with every adapter's LoRA weights beside it (PEFT adapters by name, all
-trainable). Each step takes the step's global batch once; then the adapters run it, train.adapters_per_micro_batch
-at a time: each micro-batch's rows copied once per adapter and each copy routed through its own adapter's LoRA
-weights (app/model/row_routing.py), so one forward and backward serves them all. Each adapter's loss is normalised
-over the batch's tokens, its gradients reduce-scattered and clipped by its own norm, and one AdamW steps every
+trainable). Each step takes the step's global batch once from the job's data, and once from each adapter's own
+data (an adapter that sets train_path or eval_path: a stream of its own); then the adapters run their batches,
+train.adapters_per_micro_batch at a time: each micro-batch made of one block of rows per adapter (the same rows
+copied, or each adapter's own), each block routed through its own adapter's LoRA weights
+(app/model/row_routing.py), so one forward and backward serves them all. Each adapter's loss is normalised over
+its own batch's tokens, its gradients reduce-scattered and clipped by its own norm, and one AdamW steps every
 adapter's parameter group with its own learning rate and schedule. So each adapter takes the steps it takes
 trained alone (tests/unit/train/test_side_by_side.py): the same starting weights (a generator of the seed per
 adapter), the same rows, the same dropout masks (drawn from the position in training and the layer's name:
@@ -12,7 +14,8 @@ app/model/dropout.py).
 
 Each adapter is ranked by train.best_metric on its own evaluations; one whose loss or gradient is not finite
 keeps its last finite weights and stops, as does one whose early-stopping patience is spent, and the others go
-on. Figures are logged with the adapter's name as prefix (`a/train_loss`, `a/eval_loss`); the job's own
+on. Each is evaluated on its own eval rows. Figures are logged with the adapter's name as prefix (`a/train_loss`,
+`a/eval_loss`); the job's own
 `train_loss` is the mean over the adapters still training, its `eval_loss` the best adapter's. The adapters are
 exported to the run's `adapter/<name>/`, each a folder `PeftModel.from_pretrained` loads, with the config it
 would have been trained with alone.
@@ -20,6 +23,7 @@ would have been trained with alone.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from app.config.adapters import AdapterSection
 from app.config.sections import TrainSection
+from app.data.stream import MODEL_INPUTS, RankStream
 from app.errors import warn
 from app.model.adapter import adapter_of
 from app.model.row_routing import AdapterRouting
@@ -53,27 +58,37 @@ class TrainedAdapter:
     stopped: str = ""  # why it stopped training; "" while it trains
     train_loss: float = math.nan
     eval_figures: dict[str, float] = field(default_factory=dict)
+    position: tuple[int, int] = (0, 0)  # with data of its own: (pass, rows into it) where its stream resumes
 
     @property
     def name(self) -> str:
         return self.section.name
 
-    def state(self) -> dict:
-        return {"best": self.best.state(), "stopped": self.stopped, "train_loss": self.train_loss}
+    @property
+    def data(self) -> str:
+        """Its stream of rows: "" for the job's data, its name for its own."""
+        return self.name if self.section.has_own_data else ""
+
+    def state(self, stream: RankStream | None) -> dict:
+        """What a checkpoint keeps of it; with data of its own, where its `stream` stands."""
+        return {"best": self.best.state(), "stopped": self.stopped, "train_loss": self.train_loss,
+                "position": [stream.pass_index, stream.rows_into_pass] if stream else [0, 0]}
 
 
 def prefixed(name: str, figures: dict[str, float]) -> dict[str, float]:
     return {f"{name}/{key}": value for key, value in figures.items()}
 
 
-def copies(batch: dict, count: int) -> dict:
-    """`batch` with its rows `count` times over, one block after another (a block per adapter sharing it)."""
-    return {key: value.repeat(count, *[1] * (value.dim() - 1)) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()}
+def joined(blocks: list[dict]) -> dict:
+    """The model's inputs of `blocks` (a micro-batch per adapter sharing a pass) as one micro-batch, one block of
+    rows after another."""
+    return {key: torch.cat([block[key] for block in blocks]) for key in MODEL_INPUTS if key in blocks[0]}
 
 
 class SideBySideRecipe(FinetuneRecipe):
-    """FinetuneRecipe over the adapters of `adapters:`, every step for each adapter still training."""
+    """FinetuneRecipe over the adapters of `adapters:`, every step for each adapter still training. With adapters
+    that have data of their own, `train_pass(pass_index, data=name)` and `eval_pass(data=name)` give their rows
+    (app/launch/rank.py); the job's are `train_pass(pass_index)` and `eval_pass()` as for one adapter."""
 
     def __init__(self, plan, *args, **kwargs):
         super().__init__(plan, *args, **kwargs)
@@ -103,66 +118,83 @@ class SideBySideRecipe(FinetuneRecipe):
             saved = state.adapters[adapter.name]
             adapter.best = BestEvaluation(train.best_metric, train.early_stopping_patience, **saved["best"])
             adapter.stopped, adapter.train_loss = saved["stopped"], saved["train_loss"]
+            adapter.position = tuple(saved.get("position", (0, 0)))
+
+    def train_batches(self) -> RankStream:
+        """The job's stream of micro-batches (returned), and one for each adapter with data of its own
+        (`self.streams`, by TrainedAdapter.data), each from where the run stands."""
+        job = super().train_batches()
+        ctx = self.ctx
+        self.streams = {"": job} | {
+            adapter.data: RankStream(functools.partial(self.train_pass, data=adapter.data), ctx.device,
+                                     *adapter.position, ctx.rank, ctx.world_size)
+            for adapter in self.adapters if adapter.data}
+        return job
 
     def adapters_state(self) -> dict:
-        return {adapter.name: adapter.state() for adapter in self.adapters}
+        return {adapter.name: adapter.state(self.streams[adapter.data] if adapter.data else None)
+                for adapter in self.adapters}
 
     def train_step(self) -> dict[str, float]:
-        """Every adapter still training takes one optimizer step on the step's global batch."""
-        ctx, objective, t0 = self.ctx, self.objective, time.perf_counter()
-        micro_batches = [next(self.batches) for _ in range(self.plan.grad_accum_steps_on(ctx.world_size))]
-        data_wait = time.perf_counter() - t0
-        normaliser = objective.normaliser(micro_batches)
+        """Every adapter still training takes one optimizer step on its global batch."""
+        ctx, t0 = self.ctx, time.perf_counter()
         training = [adapter for adapter in self.adapters if not adapter.stopped]
+        steps = {data: [next(self.streams[data]) for _ in range(self.plan.grad_accum_steps_on(ctx.world_size))]
+                 for data in dict.fromkeys(adapter.data for adapter in training)}  # the streams still trained on
+        data_wait = time.perf_counter() - t0
+        normalisers = {data: self.objective.normaliser(batches) for data, batches in steps.items()}
         shared, sums = self.cfg.train.adapters_per_micro_batch, []
         for first in range(0, len(training), shared):  # their gradients reduce-scattered after their last pass
-            sums += self.accumulate_for([adapter.name for adapter in training[first:first + shared]], micro_batches,
-                                        normaliser)
+            sums += self.accumulate_for(training[first:first + shared], steps, normalisers)
         reshard(self.model)  # gathered once for every adapter's pass; the shards step next
         norms = [full_grad_norm(torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[a.group]["params"],
                                                                self.cfg.train.max_grad_norm)) for a in training]
-        totals = torch.cat([real_tokens(micro_batches).to(ctx.device).reshape(1), *sums])
-        dist.all_reduce(totals)  # non-pad tokens, each adapter's loss and metric sums
-        tokens, *totals = torch.cat([totals, normaliser.reshape(1).double(),
-                                     torch.stack(norms).double().to(ctx.device)]).tolist()
+        tokens = [real_tokens(steps[adapter.data]).to(ctx.device).reshape(1) for adapter in training]
+        totals = torch.cat([*tokens, *sums])
+        dist.all_reduce(totals)  # each adapter's non-pad tokens, loss and metric sums
+        totals = torch.cat([totals, torch.stack([normalisers[a.data] for a in training]).double().reshape(-1),
+                            torch.stack(norms).double().to(ctx.device)]).tolist()
+        tokens, totals = totals[:len(training)], totals[len(training):]
         figures = self.adapter_steps(training, totals)
         seconds = time.perf_counter() - t0
-        self.meter.add(tokens * len(training), seconds, data_wait)
+        self.meter.add(sum(tokens), seconds, data_wait)
         trained = [adapter.train_loss for adapter in training if not adapter.stopped]
         self.train_loss = sum(trained) / len(trained) if trained else math.nan
         self.stopped_early = not trained
         return {"train_loss": self.train_loss,
                 **{key: max(figures[f"{a.name}/{key}"] for a in training) for key in ("learning_rate", "grad_norm")},
-                "tokens_per_second": tokens * len(training) / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
-                "data_wait_seconds": data_wait, "step_tokens": tokens, "adapters_training": len(trained),
-                "workers": ctx.world_size, **figures, **self.batches.take_figures(seconds)}
+                "tokens_per_second": sum(tokens) / seconds, "peak_memory_gb": peak_memory_gb(ctx.device),
+                "data_wait_seconds": data_wait, "step_tokens": sum(tokens), "adapters_training": len(trained),
+                "workers": ctx.world_size, **figures,
+                **{f"{a.name}/step_tokens": count for a, count in zip(training, tokens, strict=True)},
+                **self.batches.take_figures(seconds)}
 
-    def accumulate_for(self, names: list[str], micro_batches: list[dict], normaliser: torch.Tensor
-                       ) -> list[torch.Tensor]:
-        """Forward and backward of the step's micro-batches for the adapters `names`: one adapter through PEFT's own
-        forward, or several in one pass, each micro-batch's rows copied once per adapter and each copy routed
-        through its own adapter (app/model/row_routing.py). Each adapter's loss sum (this rank's)."""
-        if len(names) == 1:
-            self.routing.activate(names[0])
-            return [self.accumulate(micro_batches, normaliser)]
-        sums = torch.zeros(len(names), dtype=torch.float64, device=self.ctx.device)
-        with self.routing.rows_through(names):
-            for i, batch in enumerate(micro_batches):
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                with self.dropout_at(i):
-                    loss, block_sums = self.objective.block_losses(self.model, copies(batch, len(names)), normaliser,
-                                                                   self.ctx.world_size, len(names))
-                    loss.backward()
-                sums += block_sums.double()
+    def accumulate_for(self, group: list[TrainedAdapter], steps: dict[str, list[dict]],
+                       normalisers: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Forward and backward of the step's micro-batches for the adapters of `group`: one adapter through PEFT's
+        own forward, or several in one pass, each micro-batch one block of rows per adapter (its stream's), each
+        block routed through its own adapter (app/model/row_routing.py). Each adapter's loss sum (this rank's)."""
+        if len(group) == 1:
+            self.routing.activate(group[0].name)
+            return [self.accumulate(steps[group[0].data], normalisers[group[0].data])]
+        scales = torch.stack([normalisers[adapter.data] for adapter in group])
+
+        def loss_of(blocks: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [len(block["input_ids"]) for block in blocks]  # a pass's last micro-batch may hold fewer
+            self.routing.size_blocks(rows)
+            return self.objective.block_losses(self.model, joined(blocks), scales, self.ctx.world_size, rows)
+
+        with self.routing.rows_through([adapter.name for adapter in group]):
+            sums = self.backward_over(list(zip(*(steps[adapter.data] for adapter in group))), loss_of)
         return list(sums.reshape(-1, 1))
 
     def adapter_steps(self, training: list[TrainedAdapter], totals: list[float]) -> dict[str, float]:
         """Each adapter's step from its reduced sums: an adapter whose loss or gradient norm is not finite is
         stopped before the optimizer steps (its weights stay its last finite ones); the others step."""
-        width = 1 + len(self.objective.metric_names)
-        normaliser, norms = totals[len(training) * width], totals[len(training) * width + 1:]
+        width, count = 1 + len(self.objective.metric_names), len(training)
+        normalisers, norms = totals[count * width:count * (width + 1)], totals[count * (width + 1):]
         figures = {}
-        for i, adapter in enumerate(training):
+        for i, (adapter, normaliser) in enumerate(zip(training, normalisers, strict=True)):
             loss_total, *metric_totals = totals[i * width:(i + 1) * width]
             group = self.optimizer.param_groups[adapter.group]
             adapter.train_loss = loss_total / normaliser
@@ -181,11 +213,13 @@ class SideBySideRecipe(FinetuneRecipe):
         return figures
 
     def evaluate(self, step: int = 0) -> dict[str, float]:
-        """Each adapter's evaluation, its figures under its name; the job's eval_loss is the best adapter's."""
+        """Each adapter's evaluation on its eval rows, its figures under its name; the job's eval_loss is the best
+        adapter's (with data of their own, on other rows: a comparison of the adapters only where they share them)."""
         figures = {}
         for adapter in self.adapters:
             self.routing.activate(adapter.name)
-            adapter.eval_figures = self.objective.evaluate(self.model, self.eval_pass, self.ctx, self.tokenizer)
+            eval_pass = functools.partial(self.eval_pass, data=adapter.data) if adapter.data else self.eval_pass
+            adapter.eval_figures = self.objective.evaluate(self.model, eval_pass, self.ctx, self.tokenizer)
             figures |= prefixed(adapter.name, adapter.eval_figures)
         losses = [a.eval_figures["eval_loss"] for a in self.adapters if math.isfinite(a.eval_figures["eval_loss"])]
         self.eval_loss = min(losses) if losses else math.nan
@@ -222,7 +256,7 @@ class SideBySideRecipe(FinetuneRecipe):
         for adapter in self.adapters:
             weights = {k: v for k, v in last_weights.items() if adapter_of(k) == adapter.name}
             weights |= {k: v for k, v in best.items() if adapter_of(k) == adapter.name}
-            alone = self.cfg.with_set(adapter.section.alone_values()).to_yaml()
+            alone = self.cfg.adapter_alone(adapter.section).to_yaml()
             save_adapter(self.model, weights, folder, self.tokenizer, alone, adapter_name=adapter.name)
 
     def adapter_figures(self) -> dict[str, float]:

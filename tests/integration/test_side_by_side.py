@@ -1,9 +1,10 @@
 """Several adapters over one base in one job (`adapters:`), end to end: Ray Train's worker group, Ray Data, gloo,
 PEFT, an MLflow store. Nothing is mocked.
 
-The job trains two adapters side by side; each takes the steps the same adapter takes in a job of its own, gets
-its own MLflow run nested under the job's (curves, params of its alone config, best evaluation, its folder as
-the artifact `adapter/`), and its folder reloads in plain PEFT in a fresh process to its reported eval loss.
+The job trains two adapters side by side, one on data of its own; each takes the steps the same adapter takes in
+a job of its own, gets its own MLflow run nested under the job's (curves, params of its alone config, its data,
+best evaluation, its folder as the artifact `adapter/`), and its folder reloads in plain PEFT in a fresh process to
+its reported eval loss.
 """
 
 import json
@@ -28,23 +29,30 @@ def _losses(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
 
 
 def test_two_adapters_train_in_one_job_as_each_would_alone_each_a_run_of_its_own(ray_cluster, embedded, tmp_path):
-    cfg = make_config(tmp_path / "both", embedded, *RUN, f"adapters=[{FAST}, {SMALL}]", "mlflow.registered_model=sbs")
+    own = tmp_path / "fast.jsonl"  # fast's own data: other records (its eval rows held out of them)
+    own.write_text("\n".join(embedded["train"].read_text().splitlines()[-400:]) + "\n")
+    fast = FAST.replace("}", f", train_path: {own}}}")
+    cfg = make_config(tmp_path / "both", embedded, *RUN, f"adapters=[{fast}, {SMALL}]", "mlflow.registered_model=sbs")
     both = run_finetune(cfg)
     alone = run_finetune(make_config(tmp_path / "alone", embedded, *RUN, f"adapters=[{SMALL}]"))
     client = MlflowClient(both["tracking_uri"])
     job = client.get_run(both["mlflow_run_id"])
     assert set(both["adapters"]) == {"fast", "small"}
     for name, entry in both["adapters"].items():
-        assert entry["final_eval_loss"] < 0.7 * both["initial_eval_loss"], name  # each learned
+        initial = _losses(client, job.info.run_id, f"{name}/eval_loss")[0]  # on its own eval rows
+        assert entry["final_eval_loss"] < 0.7 * initial, name  # each learned
         run = client.get_run(entry["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == job.info.run_id and run.info.status == "FINISHED"
         assert run.data.params["lora.r"] == {"fast": "16", "small": "4"}[name]  # the config it trained with alone
+        assert run.data.params["data.train_path"] == {"fast": str(own), "small": str(embedded["train"])}[name]
         assert _losses(client, run.info.run_id, "train_loss") == _losses(client, job.info.run_id, f"{name}/train_loss")
         assert sorted(_losses(client, run.info.run_id, "train_loss")) == list(range(1, 21))
         assert {a.path for a in client.list_artifacts(run.info.run_id, "adapter")} >= {
             "adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
         [version] = client.search_model_versions(f"name = 'sbs' and run_id = '{run.info.run_id}'")
         assert version.tags["adapter"] == name  # each adapter a registered version of mlflow.registered_model
+    assert _losses(client, job.info.run_id, "fast/data_pass_rows/fast")[0] < 400  # built from its own records
+    assert {(d.dataset.name, d.tags[0].value) for d in job.inputs.dataset_inputs} >= {("fast.jsonl", "train/fast")}
     # the same adapter in a job of its own takes the same steps (fp32; Ray Data deals the same rows)
     mine = _losses(client, both["adapters"]["small"]["mlflow_run_id"], "train_loss")
     theirs = _losses(MlflowClient(alone["tracking_uri"]), alone["adapters"]["small"]["mlflow_run_id"], "train_loss")

@@ -47,6 +47,11 @@ def test_missing_empty_and_malformed_data(run_cli, tmp_path):
     assert f"{broken}:2: not valid JSON" in run_cli(f"data.train_path={broken}")
     fieldless = write_jsonl(tmp_path / "fields.jsonl", [chat("q", "a"), {"question": "q", "answer": "a"}])
     assert f"{fieldless}:2: record needs fields" in run_cli(f"data.train_path={fieldless}")
+    # an adapter's own data is checked as the job's, naming the adapter's key
+    err = run_cli(f"adapters=[{{name: fine}}, {{name: tenant, train_path: {broken}}}]")
+    assert f"{broken}:2: not valid JSON" in err
+    err = run_cli(f"adapters=[{{name: tenant, eval_path: {tmp_path / 'none.jsonl'}}}]")
+    assert f"adapters.tenant.eval_path={tmp_path / 'none.jsonl'}" in err and "no such file or directory" in err
 
 
 @pytest.mark.slow  # the checks that load the model run while Ray starts: a local cluster starts and stops again

@@ -34,24 +34,30 @@ def _pass(model, key, input_ids, blocks: int) -> tuple[torch.Tensor, dict[str, t
 
 
 def test_each_block_of_rows_runs_as_its_adapter_alone_with_the_same_dropout_and_gradients():
+    """Blocks of their own rows, of unequal sizes (adapters with data of their own, a pass's last micro-batch)."""
     model, key, routing = _model()
     model.train()
-    input_ids = torch.randint(4, TINY["vocab_size"], (3, 12), generator=torch.Generator().manual_seed(1))
+    rows = {"wide": 3, "narrow": 2}
+    inputs = {name: torch.randint(4, TINY["vocab_size"], (n, 12), generator=torch.Generator().manual_seed(i))
+              for i, (name, n) in enumerate(rows.items())}
     alone = {}
     for name in ADAPTERS:
         routing.activate(name)
-        alone[name] = _pass(model, key, input_ids, 1)
-    with routing.rows_through(list(ADAPTERS)):
-        logits, grads = _pass(model, key, input_ids.repeat(2, 1), 1)
-    for i, name in enumerate(ADAPTERS):
+        alone[name] = _pass(model, key, inputs[name], 1)
+    with routing.rows_through(list(ADAPTERS), [rows[name] for name in ADAPTERS]):
+        logits, grads = _pass(model, key, torch.cat([inputs[name] for name in ADAPTERS]), 1)
+    for name, block in zip(ADAPTERS, logits.split([rows[name] for name in ADAPTERS]), strict=True):
         want_logits, want_grads = alone[name]
-        torch.testing.assert_close(logits[i * 3:(i + 1) * 3], want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block, want_logits, rtol=1e-5, atol=1e-5)
         mine = {n: g for n, g in grads.items() if adapter_of(n) == name}
         assert sorted(mine) == sorted(want_grads) and mine
         for n in mine:
             torch.testing.assert_close(mine[n], want_grads[n], rtol=1e-5, atol=1e-6)
+    input_ids = inputs["wide"]
     # the adapters differ, and dropout is on: the same rows at another position draw other masks
-    assert not torch.allclose(alone["wide"][0], alone["narrow"][0])
+    routing.activate("narrow")
+    with key.at(7, 3, 0, 1):
+        assert not torch.allclose(model(input_ids=input_ids).logits, alone["wide"][0])
     routing.activate("wide")
     model.zero_grad(set_to_none=True)
     with key.at(7, 4, 0, 1):

@@ -67,11 +67,6 @@ class AdapterSection(Section):
         """The job's train section with this adapter's learning rate and schedule."""
         return TrainSection(**(job.model_dump() | self._set(TRAIN_KEYS)))
 
-    @property
-    def has_own_data(self) -> bool:
-        """It sets a data key: its rows (and eval rows) are built and streamed apart from the job's."""
-        return bool(self._set(DATA_KEYS))
-
     def data_of(self, job: DataSection) -> DataSection:
         """The job's data section with this adapter's sources; its own train sources without an eval set of its own
         hold out data.eval_fraction of them, not the job's eval set."""
@@ -88,7 +83,7 @@ class AdapterSection(Section):
         return ({"adapters": [], "tune.in_one_job": False, "train.adapters_per_micro_batch": 1}
                 | {f"lora.{key}": value for key, value in self._set(LORA_KEYS).items()}
                 | {f"train.{key}": value for key, value in self._set(TRAIN_KEYS).items()}
-                | ({f"data.{key}": getattr(data, key) for key in DATA_KEYS} if self.has_own_data else {}))
+                | ({f"data.{key}": getattr(data, key) for key in DATA_KEYS} if self._set(DATA_KEYS) else {}))
 
     def with_paths(self, resolve: Callable[[str | None], str | None]) -> AdapterSection:
         """This adapter with its data locations passed through `resolve` (made absolute where they are read)."""
@@ -151,6 +146,15 @@ def adapters_share_what_they_can(adapters: list[AdapterSection], train: TrainSec
         return ("train.adapters_per_micro_batch>1 with lora.use_dora: DoRA adapters take a pass each; set "
                 "train.adapters_per_micro_batch to 1 or auto")
     return None
+
+
+def data_streams(adapters: list[AdapterSection], job: DataSection) -> dict[str, str]:
+    """The stream of rows each adapter trains on, by adapter name: "" for the job's data, else the name of the first
+    adapter with the same data (adapters with the same data share one stream: its rows built, held and read
+    once)."""
+    first: dict[str, str] = {job.model_dump_json(): ""}
+    return {adapter.name: first.setdefault(adapter.data_of(job).model_dump_json(), adapter.name)
+            for adapter in adapters}
 
 
 def adapter_data_is_whole(adapters: list[AdapterSection], data: DataSection) -> str | None:

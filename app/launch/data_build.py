@@ -50,9 +50,9 @@ def build_data(job: Job, data: DataSection, inputs: CheckedSources) -> tuple[Tra
 
 
 def prepare_data(job: Job, passes: dict[str, ray.actor.ActorHandle]) -> list[TrainData]:
-    """The token rows built and loaded into the pass coordinators (the job's data's, "", and each adapter's with
-    data of its own), their figures logged (an adapter's under its name). Returns the rows, which the driver holds
-    until the run ends (the coordinators read their blocks in place)."""
+    """The token rows built and loaded into the pass coordinators (the job's data's, "", and each one of adapters'
+    own: app.config.adapters.data_streams), their figures logged (an adapter's data's under its name). Returns the
+    rows, which the driver holds until the run ends (the coordinators read their blocks in place)."""
     built, figures = [], {}
     for name, coordinator in passes.items():
         adapter = next((a for a in job.cfg.adapters if a.name == name), None)
@@ -71,12 +71,12 @@ def prepare_data(job: Job, passes: dict[str, ray.actor.ActorHandle]) -> list[Tra
 
 
 def start_data(job: Job) -> tuple[dict[str, ray.actor.ActorHandle], Future]:
-    """The pass coordinators (the job's data's, "", and each adapter's with data of its own), created empty, and the
+    """The pass coordinators (the job's data's, "", and each one of adapters' own), created empty, and the
     data they are loaded with: built in a thread beside the worker group's start where the cluster has CPUs to
     spare for it; otherwise built here first (its errors raised before any worker starts). On failure every
     coordinator is told why (ranks waiting for their first pass get the reason)."""
     passes = {name: start_pass_coordinator(job.cfg.scaling.num_workers, job.cfg.data)
-              for name in ["", *(adapter.name for adapter in job.cfg.adapters if adapter.has_own_data)]}
+              for name in ["", *job.inputs.adapters]}
 
     def tell_ranks(error: BaseException) -> None:
         for coordinator in passes.values():

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from app.config.adapters import data_streams
 from app.config.schema import FinetuneConfig
 from app.config.sections import DataSection
 from app.data.gym_tasks import is_task_source, questions_of
@@ -28,7 +29,7 @@ class CheckedSources:
     eval_rows: int
     train_digests: list[str]  # app.data.sources.source_digest of each train source
     eval_digest: str | None
-    adapters: dict[str, CheckedSources]  # each adapter with data of its own (adapters:): its sources
+    adapters: dict[str, CheckedSources]  # adapters' own data, by stream (app.config.adapters.data_streams)
 
     def datasets(self) -> list[tuple[str, DataSource, str]]:
         """(context, source, digest) of every source the job reads, its adapters' included ("train/<name>")."""
@@ -64,8 +65,9 @@ def checked_sources(cfg: FinetuneConfig) -> CheckedSources:
     """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
     local record, the job's and each adapter's."""
     check_model_files(cfg.model)
+    own = set(data_streams(cfg.adapters, cfg.data).values()) - {""}  # each data of adapters' own, once
     adapters = {adapter.name: checked_data(adapter.data_of(cfg.data), f"adapters.{adapter.name}.", {})
-                for adapter in cfg.adapters if adapter.has_own_data}
+                for adapter in cfg.adapters if adapter.name in own}
     return checked_data(cfg.data, "data.", adapters)
 
 

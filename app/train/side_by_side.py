@@ -1,11 +1,11 @@
 """Several LoRA adapters trained side by side over one sharded base (`adapters:`, app/config/adapters.py).
 
 The base is loaded and sharded once, with every adapter's LoRA weights beside it (PEFT adapters by name, all
-trainable). Each step takes the step's global batch once from the job's data, and once from each adapter's own
-data (an adapter that sets train_path or eval_path: a stream of its own); then the adapters run their batches,
-train.adapters_per_micro_batch at a time: each micro-batch made of one block of rows per adapter (the same rows
-copied, or each adapter's own), each block routed through its own adapter's LoRA weights
-(app/model/row_routing.py), so one forward and backward serves them all. Each adapter's loss is normalised over
+trainable). Each step takes the step's global batch once from the job's data, and once from each data of the
+adapters' own (an adapter that sets train_path, mixture_weights or eval_path: a stream per distinct data); then
+the adapters run their batches, train.adapters_per_micro_batch at a time: each micro-batch made of one block of
+rows per adapter (the same rows copied, or each adapter's own), each block routed through its own adapter's LoRA
+weights (app/model/row_routing.py), so one forward and backward serves them all. Each adapter's loss is normalised over
 its own batch's tokens, its gradients reduce-scattered and clipped by its own norm, and one AdamW steps every
 adapter's parameter group with its own learning rate and schedule. So each adapter takes the steps it takes
 trained alone (tests/unit/train/test_side_by_side.py): the same starting weights (a generator of the seed per
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app.config.adapters import AdapterSection
+from app.config.adapters import AdapterSection, data_streams
 from app.config.sections import TrainSection
 from app.data.stream import MODEL_INPUTS, RankStream
 from app.errors import warn
@@ -58,16 +58,12 @@ class TrainedAdapter:
     stopped: str = ""  # why it stopped training; "" while it trains
     train_loss: float = math.nan
     eval_figures: dict[str, float] = field(default_factory=dict)
+    data: str = ""  # its stream of rows: "" for the job's data, else its data's (app.config.adapters.data_streams)
     position: tuple[int, int] = (0, 0)  # with data of its own: (pass, rows into it) where its stream resumes
 
     @property
     def name(self) -> str:
         return self.section.name
-
-    @property
-    def data(self) -> str:
-        """Its stream of rows: "" for the job's data, its name for its own."""
-        return self.name if self.section.has_own_data else ""
 
     def state(self, stream: RankStream | None) -> dict:
         """What a checkpoint keeps of it; with data of its own, where its `stream` stands."""
@@ -93,8 +89,10 @@ class SideBySideRecipe(FinetuneRecipe):
     def __init__(self, plan, *args, **kwargs):
         super().__init__(plan, *args, **kwargs)
         train = self.cfg.train
+        streams = data_streams(self.cfg.adapters, self.cfg.data)
         self.adapters = [TrainedAdapter(section, section.train_of(train),
-                                        BestEvaluation(train.best_metric, train.early_stopping_patience), group)
+                                        BestEvaluation(train.best_metric, train.early_stopping_patience), group,
+                                        data=streams[section.name])
                          for group, section in enumerate(self.cfg.adapters)]
 
     def build_model(self) -> None:
@@ -121,8 +119,8 @@ class SideBySideRecipe(FinetuneRecipe):
             adapter.position = tuple(saved.get("position", (0, 0)))
 
     def train_batches(self) -> RankStream:
-        """The job's stream of micro-batches (returned), and one for each adapter with data of its own
-        (`self.streams`, by TrainedAdapter.data), each from where the run stands."""
+        """The job's stream of micro-batches (returned), and one for each data of the adapters' own (`self.streams`,
+        by TrainedAdapter.data), each from where the run stands."""
         job = super().train_batches()
         ctx = self.ctx
         self.streams = {"": job} | {

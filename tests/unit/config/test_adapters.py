@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from app.config.adapters import data_streams
 from app.config.loading import load_config
 from app.errors import UserInputError
 from tests.helpers import EMBEDDED_CONFIG
@@ -28,15 +29,15 @@ def test_each_adapter_is_the_job_config_with_its_own_keys():
     assert load_config(EMBEDDED_CONFIG).trained_lora() == load_config(EMBEDDED_CONFIG).lora  # no section: one
 
 
-def test_an_adapter_with_its_own_data_trains_alone_on_it(tmp_path):
-    (tmp_path / "mine.jsonl").write_text("")
-    (tmp_path / "held.jsonl").write_text("")
-    cfg = load_config(EMBEDDED_CONFIG, ["data.eval_path=" + str(tmp_path / "held.jsonl"),
-                                        "adapters=[{name: tenant, train_path: [mine.jsonl, held.jsonl], "
-                                        "mixture_weights: [3, 1]}, {name: job, eval_path: held.jsonl}, {name: same}]"])
-    tenant, job, same = cfg.adapters
+def test_an_adapter_with_its_own_data_trains_alone_on_it():
+    cfg = load_config(EMBEDDED_CONFIG, ["adapters=[{name: tenant, train_path: [mine.jsonl, held.jsonl], "
+                                        "mixture_weights: [3, 1]}, {name: job, eval_path: held.jsonl}, {name: same}, "
+                                        "{name: tenant_lr, learning_rate: 1e-3, train_path: [mine.jsonl, held.jsonl], "
+                                        "mixture_weights: [3.0, 1.0]}]"])
+    tenant, job, same, _ = cfg.adapters
     assert tenant.train_path == [str(Path("mine.jsonl").resolve()), str(Path("held.jsonl").resolve())]  # absolute
-    assert (tenant.has_own_data, job.has_own_data, same.has_own_data) == (True, True, False)
+    # a stream of rows per data: the job's (""), or the first adapter's with that data, shared by the others
+    assert data_streams(cfg.adapters, cfg.data) == {"tenant": "tenant", "job": "job", "same": "", "tenant_lr": "tenant"}
     own = tenant.data_of(cfg.data)  # its own sources: its eval rows held out of them, not the job's eval set
     assert (own.mixture_weights, own.eval_path, own.max_seq_len) == ([3.0, 1.0], None, cfg.data.max_seq_len)
     assert job.data_of(cfg.data).train_path == cfg.data.train_path

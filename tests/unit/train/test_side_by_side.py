@@ -123,29 +123,33 @@ def _reloaded_adapters_score_their_eval_loss(embedded: dict, tmp_path: Path, sum
 
 
 TENANT = "{name: tenant, r: 8, learning_rate: 5e-3, train_path: tenant.jsonl, eval_path: tenant_eval.jsonl}"
+TENANT_LR = TENANT.replace("tenant,", "tenant_lr,").replace("5e-3", "1e-3")  # the same data: the same stream
 
 
 def _with_tenant_data(rank: int, world: int, embedded: dict, out: str, *overrides: str):
-    """_rank_inputs, with the rows of an adapter's own data (`data="tenant"`): 44 other records (22 a rank: a pass
-    ends in a micro-batch of 2 rows, beside the job's 4) and 12 other eval records."""
+    """_rank_inputs, with the rows of the tenants' own data (`data` named: every adapter here with data of its own
+    has the same): 44 other records (22 a rank: a pass ends in a micro-batch of 2 rows, beside the job's 4) and 12
+    other eval records."""
     cfg, ctx, job_pass, job_eval = _rank_inputs(rank, world, embedded, out, *overrides)
     tokenizer = load_tokenizer(cfg.model)
     lines = lambda path, start, end: [json.loads(line) for line in Path(path).read_text().splitlines()[start:end]]
     rows = {data: tokenize_rows(lines(embedded[data], 64, 64 + n), tokenizer, cfg.data.format, cfg.data.max_seq_len)
             for data, n in (("train", 44), ("eval", 12))}
     micro = cfg.train.micro_batch_size
-    train_pass = lambda pass_index, data="": (_batches(rows["train"], rank, world, micro) if data == "tenant"  # noqa
+    train_pass = lambda pass_index, data="": (_batches(rows["train"], rank, world, micro) if data  # noqa: E731
                                               else job_pass(pass_index))
-    eval_pass = lambda data="": _batches(rows["eval"], 0, 1, micro) if data == "tenant" else job_eval()  # noqa
+    eval_pass = lambda data="": _batches(rows["eval"], 0, 1, micro) if data else job_eval()  # noqa: E731
     return cfg, ctx, train_pass, eval_pass
 
 
 def _tenant_runs(rank: int, world: int, embedded: dict, out: str) -> None:
     out, results = Path(out), {}
     steps = [*STEPS, "fsdp.reshard_after_forward=true"]
-    for name, adapters, shared, restore_from in (("together", [ADAPTERS["rank4"], TENANT], 2, None),
-                                                 ("tenant", [TENANT], 1, None), ("rank4", [ADAPTERS["rank4"]], 1, None),
-                                                 ("restored", [ADAPTERS["rank4"], TENANT], 2, "together/step3")):
+    together = [ADAPTERS["rank4"], TENANT, TENANT_LR]
+    for name, adapters, shared, restore_from in (("together", together, 2, None), ("tenant", [TENANT], 1, None),
+                                                 ("tenant_lr", [TENANT_LR], 1, None),
+                                                 ("rank4", [ADAPTERS["rank4"]], 1, None),
+                                                 ("restored", together, 2, "together/step3")):
         cfg, ctx, train_pass, eval_pass = _with_tenant_data(
             rank, world, embedded, str(out), *steps, f"train.adapters_per_micro_batch={shared}",
             f"adapters=[{', '.join(adapters)}]")
@@ -159,13 +163,14 @@ def _tenant_runs(rank: int, world: int, embedded: dict, out: str) -> None:
 
 
 def test_an_adapter_with_data_of_its_own_trains_on_it_as_it_would_alone(embedded, tmp_path):
-    """fp32, the two adapters sharing every micro-batch, each block its own adapter's rows: the job's for rank4,
-    the tenant's own (whose pass ends in a smaller micro-batch) for tenant; each evaluated on its own eval rows.
-    A run restored from step 3 continues both streams where they stood."""
+    """fp32, two adapters sharing every micro-batch, each block its own adapter's rows: the job's for rank4, the
+    tenant's own (whose pass ends in a smaller micro-batch) for tenant; tenant_lr, on the same data as tenant (the
+    same stream), in a pass of its own; each evaluated on its own eval rows. A run restored from step 3 continues
+    both streams where they stood."""
     run_ranks(_tenant_runs, 2, embedded, str(tmp_path))
     results = json.loads((tmp_path / "results.json").read_text())
     together = results["together"]
-    for name in ("tenant", "rank4"):
+    for name in ("tenant", "tenant_lr", "rank4"):
         for key in ("train_loss", "eval_loss", "grad_norm", "step_tokens"):
             mine, alone = _curve(together, f"{name}/{key}"), _curve(results[name], f"{name}/{key}")
             assert mine and mine == pytest.approx(alone, rel=1e-5), (name, key)

@@ -90,10 +90,10 @@ def planning_budget(cfg, device_gb: float | None) -> tuple[float, str] | None:
         return device_gb, f"{device_gb:g} GiB per device"
     if not cfg.scaling.use_gpu:
         return psutil.virtual_memory().available / 2**30 / cfg.scaling.num_workers, "this host's memory per worker"
-    auto = [key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
-                                   ("train.micro_batch_size", cfg.train.micro_batch_size),
-                                   ("train.adapters_per_micro_batch",
-                                    cfg.train.adapters_per_micro_batch if cfg.adapters else 1)) if value == "auto"]
+    from app.plan.memory_choices import memory_autos  # start-up: the planner loads only when a plan is asked for
+
+    auto = [key for key in memory_autos(cfg)  # a mesh is decided without a budget; shared passes need adapters
+            if key != "scaling.mesh" and (key != "train.adapters_per_micro_batch" or cfg.adapters)]
     if auto:
         raise UserInputError(f"{auto[0]}=auto is resolved against one GPU's memory: give --device-memory-gb "
                              "(e.g. 80) or scaling.device_memory_gb")

@@ -48,8 +48,10 @@ def driver_plan(cfg: FinetuneConfig) -> Plan:
     values decided against a budget the embedded model fits without checkpointing (as the job decides here)."""
     from app.plan.memory import GiB
     from app.plan.memory_choices import resolve_memory_choices
+    from app.plan.rollout_sizing import rollout_decisions
 
-    return Plan(cfg).decided(*resolve_memory_choices(cfg, 8 * GiB, "the tests' 8 GiB").fitting())
+    return Plan(cfg).decided(*resolve_memory_choices(cfg, 8 * GiB, "the tests' 8 GiB").fitting(),
+                             *rollout_decisions(cfg, cluster_gpus=0.0))
 
 
 def register_adapter(embedded: dict[str, Path], adapter: str, folder: Path, uri: str, name: str,

@@ -4,7 +4,7 @@ GRPOConfig where it has the setting."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -65,10 +65,17 @@ class GrpoSection(Section):
         "sampler did: tis, truncated importance sampling (min(ratio, importance_cap)), for answers a stale adapter "
         "or another numeric path sampled; none: no weight")
     importance_cap: float = Field(2.0, gt=1.0, description="the truncation of tis: a token's weight is at most this")
-    rollout_workers: int = Field(1, gt=0, description="Ray actors that generate the answers, each holding the "
-                                 "frozen base once and the current adapter (sent after each optimizer step)")
+    rollout_workers: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="Ray actors that generate the answers, each holding the frozen base once, and every "
+        "rank's prompts shared out over them; auto: one beside CPU workers (it shares their cores), with GPU workers "
+        "one per GPU the cluster has beyond theirs, at most one per worker (app/plan/rollout_sizing.py)")
+    rollout_batch_rows: int | None = Field(None, gt=0, description="answers a rollout actor decodes at once, from "
+                                           "every rank's requests of the same adapter (continuous batching: an "
+                                           "answer that ends frees its row for the next waiting one); None: every "
+                                           "answer it has been asked for")
     rollout_cpus: float = Field(1.0, ge=0.0, description="logical CPUs Ray reserves for each rollout actor")
-    rollout_gpus: float = Field(0.0, ge=0.0, description="GPUs of each rollout actor (on a GPU cluster: their own)")
+    rollout_gpus: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
+        "auto", description="GPUs of each rollout actor; auto: 1 with scaling.use_gpu (a GPU of its own), else 0")
     reward_workers: int = Field(0, ge=0, description="score answers with this many Ray tasks at a time beside the "
                                 "workers (slow rewards: a sandbox, a judge); 0: in the training worker")
 

@@ -18,6 +18,7 @@ from app.config.schema import FinetuneConfig
 from app.environment import joins_a_cluster, shared_storage
 from app.errors import UserInputError
 from app.launch import console
+from app.plan.rollout_sizing import rollout_gpus_each
 from app.runs.layout import is_uri
 
 
@@ -110,10 +111,12 @@ def output_reaches_every_host(cfg: FinetuneConfig) -> bool:
 
 
 def rollout_resources(cfg: FinetuneConfig) -> tuple[float, float]:
-    """(CPUs, GPUs) GRPO's rollout actors reserve beside the training workers; none for the other objectives."""
+    """(CPUs, GPUs) GRPO's rollout actors reserve beside the training workers; none for the other objectives (where
+    their number is still `auto`, one actor's: a local cluster declares them before the driver sizes the group)."""
     if not objective_of(cfg.train).samples_online:
         return 0.0, 0.0
-    return cfg.grpo.rollout_workers * cfg.grpo.rollout_cpus, cfg.grpo.rollout_workers * cfg.grpo.rollout_gpus
+    actors = 1 if cfg.grpo.rollout_workers == "auto" else cfg.grpo.rollout_workers  # auto: 1 until the driver sizes it
+    return actors * cfg.grpo.rollout_cpus, actors * rollout_gpus_each(cfg)
 
 
 def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:

@@ -1,6 +1,7 @@
 """The run's training data, built by the driver: every source read and tokenized once by Ray Data
 (app/data/pipeline.py), the eval rows, and both handed to the pass coordinator (app/data/coordinator.py),
-which builds each pass for the ranks; the same again for each adapter with data of its own (adapters:). Built
+which builds each pass for the ranks; the same again for each distinct data of adapters' own (adapters:;
+adapters with the same data share one). Built
 beside the worker group's start where the cluster has a CPU to spare, else before it; either way a failure
 reaches the ranks waiting for their first pass as one line."""
 
@@ -49,17 +50,20 @@ def build_data(job: Job, data: DataSection, inputs: CheckedSources) -> tuple[Tra
     return train, eval_rows, stats
 
 
+def stream_data(job: Job, name: str) -> DataSection:
+    """The data section of a stream: the job's ("") or that of the adapter the stream is named after."""
+    return next(a.data_of(job.cfg.data) for a in job.cfg.adapters if a.name == name) if name else job.cfg.data
+
+
 def prepare_data(job: Job, passes: dict[str, ray.actor.ActorHandle]) -> list[TrainData]:
     """The token rows built and loaded into the pass coordinators (the job's data's, "", and each one of adapters'
     own: app.config.adapters.data_streams), their figures logged (an adapter's data's under its name). Returns the
     rows, which the driver holds until the run ends (the coordinators read their blocks in place)."""
     built, figures = [], {}
     for name, coordinator in passes.items():
-        adapter = next((a for a in job.cfg.adapters if a.name == name), None)
-        data, inputs = (adapter.data_of(job.cfg.data), job.inputs.adapters[name]) if adapter else (job.cfg.data,
-                                                                                                     job.inputs)
+        inputs = job.inputs.adapters[name] if name else job.inputs
         try:
-            train, eval_rows, data_stats = build_data(job, data, inputs)
+            train, eval_rows, data_stats = build_data(job, stream_data(job, name), inputs)
             pass_figures = load_passes(coordinator, train, eval_rows)
         except UserInputError as e:
             raise (UserInputError(f"adapters: {name}'s data: {e}") if name else e) from None
@@ -75,7 +79,7 @@ def start_data(job: Job) -> tuple[dict[str, ray.actor.ActorHandle], Future]:
     data they are loaded with: built in a thread beside the worker group's start where the cluster has CPUs to
     spare for it; otherwise built here first (its errors raised before any worker starts). On failure every
     coordinator is told why (ranks waiting for their first pass get the reason)."""
-    passes = {name: start_pass_coordinator(job.cfg.scaling.num_workers, job.cfg.data)
+    passes = {name: start_pass_coordinator(job.cfg.scaling.num_workers, stream_data(job, name))
               for name in ["", *job.inputs.adapters]}
 
     def tell_ranks(error: BaseException) -> None:

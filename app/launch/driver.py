@@ -33,6 +33,7 @@ from app.launch.inputs import (
 from app.launch.job import Job, TrialLink
 from app.launch.summary import job_summary
 from app.plan.plan import Plan
+from app.plan.rollout_sizing import rollout_decisions
 from app.runs.claim import check_run_dir, claimed_run
 from app.train.progress import StartupClock
 
@@ -58,6 +59,7 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     if resume:
         check_resumed_data(cfg.run_dir, *sources.every_train_source())
     plan, inputs = checked_while_ray_starts(plan, sources, startup, verbose)
+    plan = plan.decided(*rollout_decisions(plan.cfg, ray.cluster_resources().get("GPU", 0.0)))
     check_placement(plan.cfg)
     from app.launch.memory_budget import memory_decisions  # start-up: the planner, loaded by the checks' thread
 

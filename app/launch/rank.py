@@ -152,7 +152,7 @@ def grpo_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:
         return None, None
     specs = cfg.grpo.reward_funcs
     scorer = ray_scorer(specs, cfg.grpo.reward_workers) if cfg.grpo.reward_workers else local_scorer(specs)
-    return RayRollouts(list(launch.rollouts), rank), scorer
+    return RayRollouts(list(launch.rollouts), rank, cfg.grpo.num_generations), scorer
 
 
 def start_system_metrics(cfg: FinetuneConfig, run_id: str):

@@ -2,15 +2,16 @@
 Ray tasks beside them.
 
 The driver starts `grpo.rollout_workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
-each holding the frozen base once and the policy's adapter (app/train/sampling.py). After each optimizer step
-the training ranks gather the adapter's full weights from their FSDP2 shards, each rank puts them in the object
-store and its actor swaps them in before that rank's next request, checked against the checksum
-the trainers computed: a few MB, never the base. Rank r samples with actor r (modulo the group); each answer
-comes back with the step and checksum of the adapter that sampled it, which the trainer checks
-(app/train/rollouts.py). With grpo.max_staleness the actors sample the next steps' prompts while the trainers
-train (an actor runs one caller's calls one at a time, in order). An engine that hot-loads LoRA adapters (vLLM)
-can take the actors' place behind the same two calls, `load` and `sample`; this one is transformers' batched
-`generate`, which runs wherever the trainer does.
+each holding the frozen base once and an engine (app/train/rollout_engine.py) that decodes every rank's requests
+in one continuously refilled batch. Every rank's prompts of a step are shared out over all the actors (whole
+groups of answers each). After each optimizer step the training ranks gather the adapter's full weights from
+their FSDP2 shards and each rank puts them in the object store; its requests carry that reference, the step and
+the checksum the trainers computed, and an actor fetches the weights (a few MB, never the base) only when it does
+not hold them yet, and checks them before it samples. Each answer comes back with the step and checksum of the
+adapter that sampled it, which the trainer checks (app/train/rollouts.py). With grpo.max_staleness the actors
+sample the next steps' prompts while the trainers train. An engine that hot-loads LoRA adapters (vLLM) could take
+an actor's place behind the same call, `sample`; this one is the project's own decoding loop over transformers'
+KV cache, which runs wherever the trainer does.
 """
 
 from __future__ import annotations
@@ -23,39 +24,42 @@ import ray
 import torch
 
 from app.config.schema import FinetuneConfig
+from app.plan.rollout_sizing import rollout_gpus_each
 from app.train import rewards
+from app.train.rollout_engine import RolloutEngine
 from app.train.sampling import Sampled, build_sampler
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class RolloutActor:
-    """One rollout worker: a Sampler on its own device (the name in the Ray dashboard's actor list). Ray restarts
-    one that dies (a lost node); it then holds the starting adapter again, which `sample` tells its caller, who
-    sends the current one."""
+    """One rollout worker: an engine over a Sampler on its own device (the name in the Ray dashboard's actor
+    list), called from a thread per request. Ray restarts one that dies (a lost node); its first answer after
+    that says so (rollout/actor_restarts), and the requests carry their adapter, so nothing is re-sent."""
 
     def __init__(self, cfg: FinetuneConfig):
         torch.set_num_threads(max(1, int(cfg.grpo.rollout_cpus)))
-        device = "cuda" if cfg.grpo.rollout_gpus and torch.cuda.is_available() else "cpu"
-        self.grpo, self.sampler = cfg.grpo, build_sampler(cfg, device)  # its adapter: the trainer's, at each sync
+        device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
+        self.engine = RolloutEngine(build_sampler(cfg, device), cfg.grpo)  # its adapter: each request's
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
-    def load(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> str:
-        """The adapter of step `version`, checked against what the trainer sent; the checksum it holds."""
-        self.sampler.load_adapter(weights, version, checksum)
-        return self.sampler.checksum
-
-    def sample(self, prompts: list[list[int]], seed: int, version: int) -> Sampled:
-        """The answers, sampled with the adapter of step `version` (none if this actor holds another one)."""
-        return self.sampler.sample_with(prompts, self.grpo, seed, version)
+    def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,
+               adapter: list) -> Sampled:
+        """The answers, sampled with the adapter of step `version` (`adapter`: its weights' reference, in a list so
+        that Ray fetches them only when this actor does not hold them)."""
+        sampled = self.engine.sample(prompts, seed, first, version, checksum, lambda: ray.get(adapter[0]))
+        sampled.restarts, self.restarted = int(self.restarted), False
+        return sampled
 
 
 def start_rollout_group(cfg: FinetuneConfig) -> list:
-    """The rollout actors, each reserving grpo.rollout_cpus CPUs and grpo.rollout_gpus GPUs; returned once every
-    one holds its model (a failure to build one is raised here, before the worker group starts). They sample
-    nothing before the trainer's first sync, which sends the adapter the run starts from (model.init_adapter's,
-    or a checkpoint's)."""
+    """The rollout actors, each reserving grpo.rollout_cpus CPUs and grpo.rollout_gpus GPUs, with a thread for
+    every request the ranks may have open at once; returned once every one holds its model (a failure to build
+    one is raised here, before the worker group starts). They sample nothing before the trainer's first request,
+    which carries the adapter the run starts from (model.init_adapter's, or a checkpoint's)."""
     grpo = cfg.grpo
-    actors = [RolloutActor.options(num_cpus=grpo.rollout_cpus, num_gpus=grpo.rollout_gpus).remote(cfg)
-              for _ in range(grpo.rollout_workers)]
+    requests = cfg.scaling.num_workers * (1 + grpo.max_staleness) + 1
+    actors = [RolloutActor.options(num_cpus=grpo.rollout_cpus, num_gpus=rollout_gpus_each(cfg),
+                                   max_concurrency=requests).remote(cfg) for _ in range(grpo.rollout_workers)]
     ray.get([actor.__ray_ready__.remote() for actor in actors])
     return actors
 
@@ -63,37 +67,36 @@ def start_rollout_group(cfg: FinetuneConfig) -> list:
 class RayRollouts:
     """Rollouts (app/train/rollouts.py) over the rollout actors, as one training rank sees them."""
 
-    def __init__(self, actors: list, rank: int):
-        self.actors, self.rank = actors, rank
-        self.actor = actors[rank % len(actors)]
-        self.weights, self.version, self.checksum = None, -1, ""  # the adapter the actors hold: in the store, step
-        self.loaded = None  # this rank's last load call to its actor
+    def __init__(self, actors: list, rank: int, num_generations: int):
+        self.actors, self.rank, self.num_generations = actors, rank, num_generations
+        self.adapter, self.version, self.checksum = None, -1, ""  # the adapter sent last: in the store, step
 
     def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
-        """This rank puts the weights (every rank holds them whole) in the object store, asks its actor to load them
-        and goes on: an actor runs one caller's calls in order, so this rank's next requests find them loaded (an
-        actor that two ranks share loads them twice: a few MB), and nobody waits for an actor still sampling what
-        was asked before. (A reference handed over by another rank could not be passed on: Ray refuses a reference
-        whose owner it does not know.)"""
-        self.weights, self.version, self.checksum = ray.put(weights), version, checksum
-        self.loaded = self.actor.load.remote(self.weights, version, checksum)
+        """This rank puts the weights (every rank holds them whole) in the object store; its next requests carry
+        them. (A reference handed over by another rank could not be passed on: Ray refuses a reference whose owner
+        it does not know.)"""
+        self.adapter, self.version, self.checksum = ray.put(weights), version, checksum
 
     def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
-        """Sampling starts on this rank's actor (after what it was asked before); the call returns its answers (or
-        raises why the adapter's load before them was refused). An actor found restarted (it holds the starting
-        adapter again) gets the current one and samples anew."""
-        loaded, pending = self.loaded, self.actor.sample.remote(prompts, seed, version)
+        """The prompts shared out over the actors (this rank's first share to actor `rank`), sampling started with
+        the adapter synced last (the trainer asks for that one: `version`, which it checks in the answers); the
+        call returns every share's answers in the prompts' order."""
+        shares = np.array_split(np.arange(len(prompts)), min(len(self.actors), len(prompts)))
+        pending = [self.actors[(self.rank + i) % len(self.actors)].sample.remote(
+            prompts[share[0]:share[-1] + 1], seed, int(share[0]) * self.num_generations, self.version, self.checksum,
+            [self.adapter]) for i, share in enumerate(shares)]
+        return lambda: joined(ray.get(pending))
 
-        def result() -> Sampled:
-            if loaded is not None:
-                ray.get(loaded)
-            sampled = ray.get(pending)
-            if sampled.completions is None and sampled.version == -1:
-                ray.get(self.actor.load.remote(self.weights, self.version, self.checksum))
-                sampled = ray.get(self.actor.sample.remote(prompts, seed, self.version))
-                sampled.restarts = 1
-            return sampled
-        return result
+
+def joined(parts: list[Sampled]) -> Sampled:
+    """The answers of a request's shares as one; none (which the trainer refuses) if two shares were sampled with
+    different adapters."""
+    first = parts[0]
+    if any((p.version, p.checksum) != (first.version, first.checksum) for p in parts):
+        other = next(p for p in parts if (p.version, p.checksum) != (first.version, first.checksum))
+        return Sampled(None, other.version, other.checksum)
+    return Sampled([c for p in parts for c in p.completions], first.version, first.checksum,
+                   sum(p.idle_seconds for p in parts) / len(parts), sum(p.restarts for p in parts))
 
 
 @ray.remote(num_cpus=1)

@@ -45,14 +45,20 @@ class MemoryChoices:
         return self.decisions
 
 
+MEMORY_KEYS = ("model.gradient_checkpointing", "train.micro_batch_size", "train.adapters_per_micro_batch",
+               "scaling.mesh")  # the speed-for-memory choices the memory plan decides
+
+
+def memory_autos(cfg: FinetuneConfig) -> list[str]:
+    """The speed-for-memory keys the config leaves `auto`."""
+    return [key for key in MEMORY_KEYS if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
+
+
 def resolve_memory_choices(cfg: FinetuneConfig, budget_bytes: float, budget_source: str,
                            config_file: str | None = None) -> MemoryChoices:
     """Checkpointing, micro-batch and mesh decided: the fastest that fits `budget_bytes`, or the most
     memory-saving with a refusal when nothing (or the explicit choice) fits."""
-    autos = {key for key, value in (("model.gradient_checkpointing", cfg.model.gradient_checkpointing),
-                                    ("train.micro_batch_size", cfg.train.micro_batch_size),
-                                    ("train.adapters_per_micro_batch", cfg.train.adapters_per_micro_batch),
-                                    ("scaling.mesh", cfg.scaling.mesh)) if value == "auto"}
+    autos = set(memory_autos(cfg))
     checkpointing = [(cfg.model.gradient_checkpointing, cfg.model.checkpoint_every_n_layers)]
     micro_batches = micro_batch_options(cfg) if "train.micro_batch_size" in autos else [cfg.train.micro_batch_size]
     meshes = mesh_options(cfg) if "scaling.mesh" in autos else [cfg.scaling.mesh]

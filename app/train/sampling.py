@@ -1,11 +1,12 @@
 """Answers sampled from the current policy for online RL: the frozen base once, the LoRA adapter swapped in after
-each optimizer step (only its weights travel: app/train/rollouts.py), transformers' batched `generate`.
+each optimizer step (only its weights travel: app/train/rollouts.py), decoded with continuous batching
+(app/train/decoding.py; transformers' batched `generate` for a model whose cache has sliding windows).
 
-A `Sampler` is what a rollout actor holds (app/launch/rollout_group.py), and what the unit tests drive in the
-trainer's own process. Each call is seeded by its caller, so a resumed run samples the very answers an
-uninterrupted run would. With each answer come the log-probabilities of its tokens under the policy that
-sampled it (the logits divided by the temperature, as the loss takes them), which the trainer's own
-log-probabilities of the same tokens must match.
+A `Sampler` is what a rollout actor's engine holds (app/train/rollout_engine.py), and what the unit tests drive
+in the trainer's own process. Each call is seeded by its caller and each answer by its place in the call, so a
+resumed run samples the very answers an uninterrupted run would, however the answers are batched. With each
+answer come the log-probabilities of its tokens under the policy that sampled it (the logits divided by the
+temperature, as the loss takes them), which the trainer's own log-probabilities of the same tokens must match.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from app.data.chat import pad_id
 from app.model.adapter import load_adapter_weights
 from app.model.base import load_tokenizer
 from app.model.build import build_lora_model
+from app.train.decoding import Answer, DecodingBatch, Drawing, answer_seed, decode, supports_continuous_batching
 from app.train.generation import end_token_ids
 
 if TYPE_CHECKING:
@@ -52,6 +54,13 @@ class Sampled:
     restarts: int = 0  # times the rollout side was found restarted (holding the starting adapter) and re-sent it
 
 
+def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int) -> list[Answer]:
+    """grpo.num_generations answers to each prompt (those of a prompt consecutive), the i-th seeded by its place
+    `first + i` in the request."""
+    rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
+    return [Answer.seeded(row, answer_seed(seed, first + i)) for i, row in enumerate(rows)]
+
+
 def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
     """A digest of an adapter's weights (their names and fp32 values): what the trainer sent and what the rollout
     side received must agree."""
@@ -70,6 +79,7 @@ class Sampler:
             param.requires_grad_(False)
         self.version, self.checksum = -1, ""  # the optimizer step whose adapter it holds (-1: the starting one)
         self.idle_since = time.perf_counter()  # when its last request was answered
+        self.continuous = supports_continuous_batching(model)
 
     @torch.no_grad()
     def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
@@ -97,11 +107,26 @@ class Sampler:
         self.idle_since = time.perf_counter()
         return Sampled(completions, self.version, self.checksum, idle)
 
+    def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int = 0) -> list[Completion]:
+        """grpo.num_generations answers to each prompt (those of one prompt consecutive), drawn as the grpo section
+        says (temperature, top_p, top_k, max_completion_tokens); the i-th seeded by `seed` and its place `first + i`
+        in the request these prompts are part of."""
+        if not self.continuous:
+            return self.generated([p for p in prompts for _ in range(grpo.num_generations)], grpo,
+                                  answer_seed(seed, first))
+        answers = decode(self.decoding_batch(grpo), seeded_answers(prompts, grpo, seed, first), grpo.rollout_batch_rows)
+        return [self.completion(a) for a in answers]
+
+    def decoding_batch(self, grpo: GrpoSection) -> DecodingBatch:
+        drawing = Drawing(grpo.temperature, grpo.top_k, grpo.top_p, grpo.max_completion_tokens)
+        return DecodingBatch(self.model, self.end_ids, self.pad_id, self.device, drawing)
+
+    def completion(self, answer: Answer) -> Completion:
+        return Completion(answer.ids, answer.logps, truncated=answer.ids[-1] not in self.end_ids)
+
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:
-        """grpo.num_generations answers to each prompt (those of one prompt consecutive), sampled in one batch as
-        the grpo section says (temperature, top_p, top_k, max_completion_tokens)."""
-        rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
+    def generated(self, rows: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:
+        """The answers of transformers' `generate`, in one static batch seeded once."""
         width = max(len(row) for row in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -116,9 +141,9 @@ class Sampler:
         # the logits before top_p/top_k, over the temperature: the policy's log-probabilities, as the trainer's (TRL's)
         logits = torch.stack(out.logits, dim=1).float().cpu() / grpo.temperature  # [rows, new tokens, vocabulary]
         logps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
-        return [self._completion(row, row_logps) for row, row_logps in zip(new, logps)]
+        return [self.generated_completion(row, row_logps) for row, row_logps in zip(new, logps)]
 
-    def _completion(self, tokens: torch.Tensor, logps: torch.Tensor) -> Completion:
+    def generated_completion(self, tokens: torch.Tensor, logps: torch.Tensor) -> Completion:
         ended = torch.isin(tokens, torch.tensor(self.end_ids)).nonzero()
         length = int(ended[0, 0]) + 1 if len(ended) else len(tokens)
         return Completion(tokens[:length].tolist(), logps[:length].tolist(), truncated=not len(ended))

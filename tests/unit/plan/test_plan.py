@@ -14,6 +14,7 @@ from app.plan.dtypes import dtype_decisions
 from app.plan.memory import GiB
 from app.plan.memory_choices import resolve_memory_choices
 from app.plan.plan import MEASURED_ON_WORKERS, PER_RECORD_MODES, Decision, Plan, autos_left
+from app.plan.rollout_sizing import rollout_decisions
 from tests.helpers import REPO
 
 AUTOS = ["model.gradient_checkpointing=auto", "train.micro_batch_size=auto", "scaling.mesh=auto", "model.compile=auto",
@@ -27,7 +28,7 @@ def launch(plan: Plan) -> WorkerLaunch:
 
 
 RESOLVED = {"model.gradient_checkpointing": "false", "train.micro_batch_size": "4", "scaling.mesh": "replicate",
-            "train.adapters_per_micro_batch": "1"}
+            "train.adapters_per_micro_batch": "1", "grpo.rollout_workers": "1", "grpo.rollout_gpus": "0"}
 
 
 @pytest.mark.parametrize("key", list(RESOLVED))
@@ -45,10 +46,11 @@ def test_a_launch_with_a_driver_decision_left_auto_is_refused_naming_the_key(key
 def test_what_the_driver_decides_leaves_only_what_the_workers_measure(tmp_path):
     auto = load_config(str(REPO / "jobs" / "configs" / "llama31_8b.yaml"), AUTOS + [f"train.output_dir={tmp_path}"])
     assert set(autos_left(auto)) - WORKERS_MEASURE == {"model.gradient_checkpointing", "train.micro_batch_size",
-                                                       "scaling.mesh", "train.adapters_per_micro_batch"}
+                                                       "scaling.mesh", "train.adapters_per_micro_batch",
+                                                       "grpo.rollout_workers", "grpo.rollout_gpus"}
     planned = resolve_memory_choices(auto, 400 * GiB, "400 GiB", SHAPE_8B).fitting()
     for decisions in (planned, memory_saving_decisions(auto)):
-        plan = Plan(auto).decided(*decisions)
+        plan = Plan(auto).decided(*decisions, *rollout_decisions(auto, cluster_gpus=8.0))
         assert set(autos_left(plan.cfg)) <= WORKERS_MEASURE
         launch(plan)  # accepted
         assert plan.requested is auto and set(autos_left(auto)) - WORKERS_MEASURE  # what was asked is kept

@@ -1,0 +1,54 @@
+"""GRPO's rollout actors sized against the trainers (grpo.rollout_workers and grpo.rollout_gpus where `auto`),
+decided by the driver once it knows the cluster.
+
+Beside CPU workers: one actor on CPUs. It shares the cores with the trainers, and a CPU decodes a batch about as
+fast per answer at 32 rows as at 64 (docs/methods.md): a second actor would take from the trainers the
+cores it adds. With GPU workers: a GPU per actor, as many actors as the cluster has GPUs beyond the trainers', at
+most one per trainer (each actor decodes every rank's requests in one batch, so fewer than the trainers suffice
+where decoding is memory-bound); none left is an error that says what to set. The decision prints with its
+reason, the trainers beside the actors (`plan: grpo.rollout_workers=...`).
+"""
+
+from __future__ import annotations
+
+from app.config.objectives import objective_of
+from app.config.schema import FinetuneConfig
+from app.errors import UserInputError
+from app.plan.plan import Decision
+
+
+def rollout_gpus_each(cfg: FinetuneConfig) -> float:
+    """GPUs each rollout actor takes: grpo.rollout_gpus, or for `auto` one with GPU workers, else none."""
+    gpus = cfg.grpo.rollout_gpus
+    return (1.0 if cfg.scaling.use_gpu else 0.0) if gpus == "auto" else float(gpus)
+
+
+def rollout_workers_for(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[int, str]:
+    """The number of rollout actors and why, on a cluster of `cluster_gpus` GPUs."""
+    asked, trainers, each = cfg.grpo.rollout_workers, cfg.scaling.num_workers, rollout_gpus_each(cfg)
+    if asked != "auto":
+        return asked, ""
+    if not each:
+        return 1, f"1 actor on {cfg.grpo.rollout_cpus:g} CPU beside {trainers} training workers (on CPUs a second " \
+                  "would take the cores it adds from the trainers)"
+    free = cluster_gpus - (trainers if cfg.scaling.use_gpu else 0)
+    if free < each:
+        raise UserInputError(f"grpo.rollout_workers=auto: the cluster's {cluster_gpus:g} GPUs all train "
+                             f"(scaling.num_workers={trainers}); add a GPU for the rollout side, lower "
+                             "scaling.num_workers, or set grpo.rollout_gpus=0 to sample on CPUs")
+    count = max(1, min(int(free // each), trainers))
+    return count, f"{count} actors with {each:g} GPU each beside {trainers} training workers on GPUs " \
+                  f"({free:g} GPUs free of training)"
+
+
+def rollout_decisions(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[Decision, ...]:
+    """grpo.rollout_workers and grpo.rollout_gpus decided (with no reason to print for a run that samples
+    nothing online)."""
+    online = objective_of(cfg.train).samples_online
+    count, why = rollout_workers_for(cfg, cluster_gpus) if online else (1, "")
+    decisions = []
+    if cfg.grpo.rollout_workers == "auto":
+        decisions.append(Decision("grpo.rollout_workers", count, why if online else ""))
+    if cfg.grpo.rollout_gpus == "auto":
+        decisions.append(Decision("grpo.rollout_gpus", rollout_gpus_each(cfg)))
+    return tuple(decisions)

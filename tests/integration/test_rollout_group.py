@@ -1,0 +1,41 @@
+"""GRPO's rollout actors on a real Ray cluster (app/launch/rollout_group.py): a rank's prompts shared out over two
+actors come back as one Sampler alone answers them; an actor Ray restarts after its process dies answers the next
+request with the adapter the request carries, and says it restarted (rollout/actor_restarts)."""
+
+import os
+import signal
+
+import pytest
+import ray
+
+from app.launch.rollout_group import RayRollouts, start_rollout_group
+from app.train.sampling import adapter_checksum, build_sampler
+from tests.helpers import make_config
+
+pytestmark = pytest.mark.e2e
+PROMPTS = [[1, 5, 9, 14], [1, 22, 7], [1, 3, 3, 3, 8, 2], [1, 40, 41]]
+
+
+def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the_adapter_asked(
+        ray_cluster, embedded, tmp_path):
+    cfg = make_config(tmp_path, embedded, "train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]",
+                      "model.dtype=float32", "grpo.num_generations=4", "grpo.max_completion_tokens=6",
+                      "grpo.rollout_workers=2", "grpo.rollout_cpus=0.5")
+    sampler = build_sampler(cfg)
+    adapter = {name: p.detach() + 0.05 * (name.count("lora_B") > 0) for name, p in sampler.model.named_parameters()
+               if name in sampler.names}
+    sampler.load_adapter(adapter, 4, adapter_checksum(adapter))
+    alone = [c.ids for c in sampler.sample(PROMPTS, cfg.grpo, 21)]
+
+    actors = start_rollout_group(cfg)
+    rollouts = RayRollouts(actors, rank=1, num_generations=4)
+    rollouts.sync(adapter, 4, adapter_checksum(adapter))
+    sampled = rollouts.submit(PROMPTS, 21, 4)()
+    assert [c.ids for c in sampled.completions] == alone
+    assert (sampled.version, sampled.checksum, sampled.restarts) == (4, adapter_checksum(adapter), 0)
+
+    os.kill(ray.get(actors[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)  # rank 1's first share
+    again = rollouts.submit(PROMPTS, 21, 4)()
+    assert [c.ids for c in again.completions] == alone
+    assert (again.version, again.restarts) == (4, 1)
+    assert rollouts.submit(PROMPTS[:1], 22, 4)().restarts == 0  # told once

@@ -1,0 +1,48 @@
+"""GRPO's rollout actors sized against the trainers (app/plan/rollout_sizing.py): one on CPUs beside CPU workers, a
+GPU each beside GPU workers for as many GPUs as training leaves (at most one per worker), a one-line error when
+training takes them all; what the user set is kept. No cluster needed: the driver passes the cluster's GPU count."""
+
+import pytest
+
+from app.config.loading import load_config
+from app.errors import UserInputError
+from app.plan.plan import Plan, autos_left
+from app.plan.rollout_sizing import rollout_decisions
+
+GRPO = ["train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]", "grpo.num_generations=4",
+        "train.global_batch_size=32", "train.micro_batch_size=4"]
+
+
+def _sized(tmp_path, cluster_gpus, *overrides):
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
+    plan = Plan(cfg).decided(*rollout_decisions(cfg, cluster_gpus))
+    assert not {"grpo.rollout_workers", "grpo.rollout_gpus"} & set(autos_left(plan.cfg))
+    return plan.cfg.grpo.rollout_workers, plan.cfg.grpo.rollout_gpus, plan.reasons.get("grpo.rollout_workers", "")
+
+
+def test_cpu_workers_get_one_actor_on_cpus(tmp_path):
+    workers, gpus, why = _sized(tmp_path, 0, "scaling.num_workers=2", "scaling.use_gpu=false")
+    assert (workers, gpus) == (1, 0.0) and why.startswith("1 actor on 1 CPU beside 2 training workers")
+
+
+@pytest.mark.parametrize("cluster_gpus, trainers, actors", [(8, 4, 4), (6, 4, 2), (5, 4, 1), (16, 2, 2)])
+def test_gpu_workers_get_an_actor_per_gpu_training_leaves_at_most_one_per_worker(tmp_path, cluster_gpus, trainers,
+                                                                                  actors):
+    workers, gpus, why = _sized(tmp_path, cluster_gpus, f"scaling.num_workers={trainers}", "scaling.use_gpu=true")
+    assert (workers, gpus) == (actors, 1.0)
+    assert why == (f"{actors} actors with 1 GPU each beside {trainers} training workers on GPUs "
+                   f"({cluster_gpus - trainers} GPUs free of training)")
+
+
+def test_training_on_every_gpu_leaves_the_rollout_side_none_and_says_what_to_set(tmp_path):
+    with pytest.raises(UserInputError, match=r"^grpo.rollout_workers=auto: the cluster's 4 GPUs all train "
+                                             r"\(scaling.num_workers=4\); add a GPU .* set grpo.rollout_gpus=0"):
+        _sized(tmp_path, 4, "scaling.num_workers=4", "scaling.use_gpu=true")
+    assert _sized(tmp_path, 4, "scaling.num_workers=4", "scaling.use_gpu=true", "grpo.rollout_gpus=0")[:2] == (1, 0)
+
+
+def test_what_the_user_set_is_kept_and_a_run_that_samples_nothing_prints_nothing(tmp_path):
+    assert _sized(tmp_path, 8, "scaling.use_gpu=true", "grpo.rollout_workers=3", "grpo.rollout_gpus=0.5") == \
+        (3, 0.5, "")
+    cfg = load_config(None, [f"train.output_dir={tmp_path}"])
+    assert Plan(cfg).decided(*rollout_decisions(cfg, 0)).reasons == {}

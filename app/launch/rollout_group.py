@@ -17,6 +17,7 @@ KV cache, which runs wherever the trainer does.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -41,13 +42,15 @@ class RolloutActor:
         device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
         self.engine = RolloutEngine(build_sampler(cfg, device), cfg.grpo)  # its adapter: each request's
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.told = threading.Lock()  # one of the threads answering says it restarted
 
     def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,
                adapter: list) -> Sampled:
         """The answers, sampled with the adapter of step `version` (`adapter`: its weights' reference, in a list so
         that Ray fetches them only when this actor does not hold them)."""
         sampled = self.engine.sample(prompts, seed, first, version, checksum, lambda: ray.get(adapter[0]))
-        sampled.restarts, self.restarted = int(self.restarted), False
+        with self.told:
+            sampled.restarts, self.restarted = int(self.restarted), False
         return sampled
 
 

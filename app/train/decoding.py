@@ -4,8 +4,11 @@ answer and never computes rows that have ended.
 
 Every answer draws its tokens with a generator of its own, seeded by its request's seed and its place in the
 request: an answer is the same whichever answers share its batch, however many rows are decoded at once and
-however many actors share a step's prompts (up to the rounding of batched products). Its log-probabilities are the
-policy's (the logits over the temperature, before top-k and top-p), as the trainer's loss takes them.
+however many actors share a step's prompts, up to the rounding of batched products (in fp32 its log-probabilities
+agree to 1e-5 and its tokens are the same unless a draw falls that close to a boundary; in bf16 a token may
+differ now and then, so a resumed run's answers are the same draws, not always the same tokens). Its
+log-probabilities are the policy's (the logits over the temperature, before top-k and top-p), as the trainer's
+loss takes them.
 
 The cache is transformers' DynamicCache: rows are left-padded (the attention mask marks the padding), each row
 has its own positions, rows that end are dropped from every layer, and padding no row needs is trimmed.
@@ -94,10 +97,10 @@ class DecodingBatch:
         mask = torch.zeros_like(ids)
         for i, answer in enumerate(answers):
             ids[i, width - len(answer.prompt):], mask[i, width - len(answer.prompt):] = torch.tensor(answer.prompt), 1
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0).to(self.device), past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        cache, mask = DynamicCache(config=self.model.config), mask.to(self.device)  # the mask stays where the cache is
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
+                         position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
         draw(answers, out.logits[:, -1], self.drawing)
         self.cache, self.mask = merged(self.cache, self.mask, cache, mask)
         self.active += answers
@@ -106,11 +109,11 @@ class DecodingBatch:
     @torch.no_grad()
     def advance(self) -> None:
         """Every active answer's last token through the model, and its next drawn."""
-        last = torch.tensor([[a.ids[-1]] for a in self.active])
-        positions = torch.tensor([[len(a.prompt) + len(a.ids) - 1] for a in self.active])
+        last = torch.tensor([[a.ids[-1]] for a in self.active], device=self.device)
+        positions = torch.tensor([[len(a.prompt) + len(a.ids) - 1] for a in self.active], device=self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.active), 1)], dim=1)
-        out = self.model(input_ids=last.to(self.device), attention_mask=self.mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=last, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True)
         draw(self.active, out.logits[:, -1], self.drawing)
         self.drop_ended()
 
@@ -147,8 +150,10 @@ def draw(answers: list[Answer], logits: torch.Tensor, drawing: Drawing) -> None:
     # u in (0, total]: the first token whose cumulative probability reaches u has a probability above 0
     draws = torch.cat([1 - torch.rand(1, generator=a.generator) for a in answers]).to(scaled.device)
     tokens = torch.searchsorted(cumulative, (draws * cumulative[:, -1])[:, None]).clamp(max=scaled.shape[-1] - 1)
-    logps = torch.log_softmax(scaled, dim=-1).gather(-1, tokens)[:, 0]
-    for answer, token, logp in zip(answers, tokens[:, 0].tolist(), logps.tolist()):
+    logps = torch.log_softmax(scaled, dim=-1).gather(-1, tokens)
+    drawn = torch.cat([tokens.to(logps.dtype), logps], dim=1).tolist()  # one copy to the host
+    for answer, (token, logp) in zip(answers, drawn):
+        token = int(token)
         answer.ids.append(token)
         answer.logps.append(logp)
 
@@ -174,10 +179,10 @@ def left_padded(states: torch.Tensor, width: int) -> torch.Tensor:
 
 def kept(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> tuple[DynamicCache, torch.Tensor]:
     """The cache and mask of `rows` only, without the leading positions that none of them attends to."""
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=mask.device)
     mask = mask[index]
     start = int(mask.any(dim=0).nonzero()[0, 0])
     for layer in cache.layers:
-        layer.keys = layer.keys[index.to(layer.keys.device), :, start:]
-        layer.values = layer.values[index.to(layer.values.device), :, start:]
+        layer.keys = layer.keys[index, :, start:]
+        layer.values = layer.values[index, :, start:]
     return cache, mask[:, start:]

@@ -55,6 +55,7 @@ class RolloutEngine:
         self.queued: deque[Answer] = deque()  # answers of running requests still waiting for a row
         self.idle_since: float | None = time.perf_counter()  # when it last ran out of work (None: busy)
         self.serial = threading.Lock()
+        self.broken: BaseException | None = None  # what stopped the decoding loop, if it stopped
         threading.Thread(target=self.serve, daemon=True, name="rollout-engine").start()
 
     def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,
@@ -68,6 +69,8 @@ class RolloutEngine:
                 return Sampled(self.sampler.sample(prompts, self.grpo, seed, first), version, checksum)
         answers = seeded_answers(prompts, self.grpo, seed, first)
         with self.changed:
+            if self.broken is not None:
+                raise RuntimeError(f"the rollout engine stopped: {self.broken!r}")
             idle = time.perf_counter() - self.idle_since if self.idle_since is not None else 0.0
             request = Request(answers, version, checksum, weights, idle)
             self.waiting.append(request)
@@ -85,8 +88,19 @@ class RolloutEngine:
             self.sampler.load_adapter(weights(), version, checksum)
 
     def serve(self) -> None:
-        """The loop: start the requests the held adapter can serve (or swap adapters when none runs), decode a
-        step, answer the requests whose answers all ended."""
+        """The loop (`serving`); if it ever stops, every request waiting and every later one is answered why."""
+        try:
+            self.serving()
+        except BaseException as error:
+            with self.changed:
+                self.broken, waiting, self.waiting = error, self.waiting, []
+            self.fail(list(dict.fromkeys(self.running + waiting)), RuntimeError(f"the rollout engine stopped: "
+                                                                                f"{error!r}"))
+            raise
+
+    def serving(self) -> None:
+        """Start the requests the held adapter can serve (or swap adapters when none runs), decode a step, answer
+        the requests whose answers all ended; a step's error goes to the requests it concerned."""
         while True:
             with self.changed:
                 while not self.waiting and not self.running:

@@ -104,7 +104,7 @@ class RolloutStream:
         self.sent: dict[int, str] = {}  # step -> checksum of the adapters sent that a batch may still carry
         self.ahead: list[tuple[dict, int, Callable[[], Sampled]]] = []  # (prompts, adapter step, answers) to come
         self.figures: dict[str, float] = {}  # the last batch of rollouts', for the step that made it
-        self.restarts = 0  # rollout actors found restarted and sent the adapter again, this attempt
+        self.restarts = 0  # rollout actors Ray restarted, as their answers said, this attempt
         self.totals = {"completions": 0.0, "generated_tokens": 0.0, "idle_seconds": 0.0, "seconds": 0.0}
         self.warmed_up = False  # an attempt's first step (its warm-up) is left out of the totals
 
@@ -215,12 +215,12 @@ class RolloutStream:
                                     version)
 
     def verified(self, sampled: Sampled, asked: int, step: int) -> Sampled:
-        """The answers, if the adapter that sampled them is one this rank sent, no more than max_staleness steps
-        old, and the one asked for (or the current one, re-sent to a restarted actor); else the run stops."""
+        """The answers, if the adapter that sampled them is the one asked for, sent by this rank, and no more than
+        max_staleness steps old; else the run stops."""
         self.restarts += sampled.restarts
         fresh = step - sampled.version <= self.cfg.grpo.max_staleness
         if (sampled.completions is None or not fresh or self.sent.get(sampled.version) != sampled.checksum
-                or (sampled.version != asked and not sampled.restarts)):
+                or sampled.version != asked):
             raise RuntimeError(f"rank {self.rank}: the rollout side answered with the adapter of step "
                                f"{sampled.version} (checksum {sampled.checksum or 'none'}) where step {asked} "
                                f"(checksum {self.sent.get(asked)}) was asked for, at step {step}: a sync was lost "

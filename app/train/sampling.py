@@ -44,14 +44,14 @@ class Completion:
 @dataclass
 class Sampled:
     """What the rollout side answers a request with: the answers (None when it holds another adapter than the one
-    asked for), the step and checksum of the adapter it holds, and how long it had waited for the request since
-    its last answer (its idle time)."""
+    asked for), the step and checksum of the adapter that sampled them, and how long it had waited for the request
+    since its last answer (its idle time)."""
 
     completions: list[Completion] | None
     version: int
     checksum: str
     idle_seconds: float = 0.0
-    restarts: int = 0  # times the rollout side was found restarted (holding the starting adapter) and re-sent it
+    restarts: int = 0  # rollout actors that Ray restarted before this answer (each counted in its first answer)
 
 
 def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int) -> list[Answer]:

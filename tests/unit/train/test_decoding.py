@@ -51,12 +51,16 @@ def _answers(sampler, end_ids, slots=None, parts=((0, 12),)):
     return answers
 
 
-def test_an_answer_is_the_same_whichever_answers_share_its_batch_and_ends_at_its_end_token(sampler):
+@pytest.fixture(scope="module")
+def end(sampler) -> int:
+    """An end token the answers draw at different places: rows leave the batch at different steps."""
     unending = _answers(sampler, end_ids=[])
     assert all(len(a.ids) == DRAWING.max_tokens for a in unending)
-    # an end token that the answers draw at different places: rows leave the batch at different steps
-    end = Counter(t for a in unending for t in a.ids[1:-1]).most_common(1)[0][0]
-    alone = _answers(sampler, [end])
+    return Counter(t for a in unending for t in a.ids[1:-1]).most_common(1)[0][0]
+
+
+def test_an_answer_is_the_same_whichever_answers_share_its_batch_and_ends_at_its_end_token(sampler, end):
+    unending, alone = _answers(sampler, end_ids=[]), _answers(sampler, [end])
     lengths = [len(a.ids) for a in alone]
     assert min(lengths) < max(lengths)
     for answer, long in zip(alone, unending):  # the same draws up to and with the first end token
@@ -69,8 +73,10 @@ def test_an_answer_is_the_same_whichever_answers_share_its_batch_and_ends_at_its
         assert [x for a in other for x in a.logps] == pytest.approx([x for a in alone for x in a.logps], abs=1e-5)
 
 
-def test_the_recorded_log_probs_are_the_models_over_the_whole_sequence(sampler):
-    for answer in _answers(sampler, end_ids=[], slots=5):
+@pytest.mark.parametrize("slots", [None, 3])
+def test_the_recorded_log_probs_are_the_models_over_the_whole_sequence(sampler, end, slots):
+    """With rows leaving and (3 slots) joining a batch already decoding: the cache merged and trimmed."""
+    for answer in _answers(sampler, [end], slots):
         ids = torch.tensor([answer.prompt + answer.ids])
         with torch.no_grad():
             logits = sampler.model(input_ids=ids).logits[0, len(answer.prompt) - 1:-1].float()

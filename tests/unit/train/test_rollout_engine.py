@@ -52,22 +52,27 @@ def _in_threads(engine, calls):
 
 
 class WidestBatch:
-    """The most rows the engine's batch decoded at once; its first adapter load waits until the other `calls - 1`
-    requests have arrived (so that they find the first one decoding, whatever order the threads run in)."""
+    """The most rows the engine's batch decoded at once; its first adapter load waits until all `calls` requests
+    have arrived (so that the later ones find the first decoding, whatever order the threads run in)."""
 
     def __init__(self, engine, calls: int):
-        self.rows, admit, load = 0, engine.batch.admit, engine.sampler.load_adapter
+        self.rows, self.arrived, admit, load, notify = 0, 0, engine.batch.admit, engine.sampler.load_adapter, \
+            engine.changed.notify
+
+        def counting_notify():  # called once per request, as it arrives
+            self.arrived += 1
+            notify()
 
         def waiting_load(*args):
-            while len(engine.waiting) < calls - 1 and engine.sampler.version < 0:
+            while self.arrived < calls and engine.sampler.version < 0:
                 time.sleep(0.01)
             load(*args)
-        engine.sampler.load_adapter = waiting_load
 
-        def counting(answers):
+        def counting_admit(answers):
             admit(answers)
             self.rows = max(self.rows, len(engine.batch) + sum(a.done for a in answers))
-        engine.batch.admit = counting
+        engine.changed.notify, engine.sampler.load_adapter, engine.batch.admit = counting_notify, waiting_load, \
+            counting_admit
 
 
 @pytest.mark.parametrize("rows", [None, 4])

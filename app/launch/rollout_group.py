@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -41,7 +42,9 @@ class RolloutActor:
         torch.set_num_threads(max(1, int(cfg.grpo.rollout_cpus)))
         device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
         self.engine = RolloutEngine(build_sampler(cfg, device), cfg.grpo)  # its adapter: each request's
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.told = threading.Lock()  # one of the threads answering says it restarted
 
     def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,

@@ -11,7 +11,8 @@ log-probabilities are the policy's (the logits over the temperature, before top-
 loss takes them.
 
 The cache is transformers' DynamicCache: rows are left-padded (the attention mask marks the padding), each row
-has its own positions, rows that end are dropped from every layer, and padding no row needs is trimmed.
+has its own positions, rows that end are dropped from every layer, and padding no row needs is trimmed. A prompt
+that several answers share (a GRPO group's) goes through the model once, its cache rows copied to each answer.
 """
 
 from __future__ import annotations
@@ -90,18 +91,23 @@ class DecodingBatch:
 
     @torch.no_grad()
     def admit(self, answers: list[Answer]) -> None:
-        """New answers' prompts through the model (left-padded among themselves), their first tokens drawn, their
-        rows joined to the batch's."""
-        width = max(len(a.prompt) for a in answers)
-        ids = torch.full((len(answers), width), self.pad_id, dtype=torch.long)
+        """New answers' prompts through the model, each distinct prompt once (a group's answers share theirs; the
+        prompts left-padded among themselves), its cache rows copied to each of its answers, their first tokens
+        drawn, their rows joined to the batch's."""
+        prompts = list(dict.fromkeys(tuple(a.prompt) for a in answers))
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, answer in enumerate(answers):
-            ids[i, width - len(answer.prompt):], mask[i, width - len(answer.prompt):] = torch.tensor(answer.prompt), 1
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):], mask[i, width - len(prompt):] = torch.tensor(prompt), 1
         cache, mask = DynamicCache(config=self.model.config), mask.to(self.device)  # the mask stays where the cache is
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
                          position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
                          logits_to_keep=1)
-        draw(answers, out.logits[:, -1], self.drawing)
+        row_of = {prompt: i for i, prompt in enumerate(prompts)}
+        rows = [row_of[tuple(a.prompt)] for a in answers]
+        draw(answers, out.logits[rows, -1], self.drawing)
+        cache, mask = kept(cache, mask, rows)  # one row per answer
         self.cache, self.mask = merged(self.cache, self.mask, cache, mask)
         self.active += answers
         self.drop_ended()
@@ -178,7 +184,8 @@ def left_padded(states: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def kept(cache: DynamicCache, mask: torch.Tensor, rows: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-    """The cache and mask of `rows` only, without the leading positions that none of them attends to."""
+    """The cache and mask of `rows` only (a row named twice copied), without the leading positions that none of them
+    attends to."""
     index = torch.tensor(rows, dtype=torch.long, device=mask.device)
     mask = mask[index]
     start = int(mask.any(dim=0).nonzero()[0, 0])

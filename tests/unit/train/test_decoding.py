@@ -73,6 +73,19 @@ def test_an_answer_is_the_same_whichever_answers_share_its_batch_and_ends_at_its
         assert [x for a in other for x in a.logps] == pytest.approx([x for a in alone for x in a.logps], abs=1e-5)
 
 
+def test_a_prompt_that_answers_share_goes_through_the_model_once_and_answers_as_if_alone(sampler, end):
+    shapes = []
+    hook = sampler.model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(args[0].shape))
+    try:
+        shared = _answers(sampler, [end])
+    finally:
+        hook.remove()
+    assert tuple(shapes[0]) == (3, max(len(p) for p in sampler.prompts))  # 12 answers' first forward: 3 prompts
+    alone = _answers(sampler, [end], parts=tuple((i, i + 1) for i in range(12)))
+    assert [a.ids for a in shared] == [a.ids for a in alone]
+    assert [x for a in shared for x in a.logps] == pytest.approx([x for a in alone for x in a.logps], abs=1e-5)
+
+
 @pytest.mark.parametrize("slots", [None, 3])
 def test_the_recorded_log_probs_are_the_models_over_the_whole_sequence(sampler, end, slots):
     """With rows leaving and (3 slots) joining a batch already decoding: the cache merged and trimmed."""

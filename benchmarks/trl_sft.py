@@ -115,7 +115,7 @@ def trainer_arguments(args: argparse.Namespace, layer_class: str, bf16: bool) ->
     """The TrainingArguments the TRL benchmarks share: the job's optimisation (constant LR, no warm-up, clip
     1.0), no checkpointing or logging integrations, FSDP2 over each decoder layer; activation checkpointing off
     as the job's benchmark runs have it, or with `--trl-defaults` TRL's own default (on), as its users run it."""
-    checkpointing = {} if getattr(args, "trl_defaults", False) else {"activation_checkpointing": False}
+    checkpointing = {} if getattr(args, "trl_defaults", False) else {"gradient_checkpointing": False}
     return dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
                 learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                 max_grad_norm=1.0, **checkpointing, bf16=bf16, use_cpu=True,
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
         real, target = counts[0].tolist(), counts[1].tolist()
         print(json.dumps({
             "world_size": world, "steps": args.steps, "dtype": "bfloat16" if bf16 else "float32",
-            "activation_checkpointing": bool(trainer.args.activation_checkpointing),
+            "activation_checkpointing": bool(trainer.args.gradient_checkpointing),
             "time_to_first_step_seconds": clock.step_ends[0] - T_START, "first_step_seconds": seconds[0],
             "first_step_at": time.time() - (time.perf_counter() - clock.step_ends[0]),  # wall clock
             "tokens_per_second_per_worker": sum(real[steady]) / sum(seconds[steady]) / world,

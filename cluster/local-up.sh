@@ -39,6 +39,9 @@ export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30}
 # Ray Train asks the state API (this dashboard) whether a run's controller lives; named here, it never has
 # to guess among several Ray clusters on one machine (it prints a traceback every few seconds when it does).
 export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
+# Ray Serve's fast request path (gRPC from proxy to replica, request logs buffered, user code on the replica's
+# loop): jobs.serve's engines keep their own threads, so nothing of ours blocks that loop.
+export RAY_SERVE_THROUGHPUT_OPTIMIZED=${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}
 # Every process of this stack carries this id (Ray passes its environment on): local-down.sh finds by it
 # what the stack started and left without a parent, and nothing else.
 FINETUNE_STACK_ID=$("$BIN/python" -c 'import uuid; print(uuid.uuid4().hex)')

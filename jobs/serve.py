@@ -12,9 +12,12 @@ Ray and serves until Ctrl-C; on a cluster (`ray job submit -- python -m jobs.ser
 deploys the application and returns, and `serve shutdown` or `serve.delete` removes it.
 
 With SERVE_API_KEY in the environment (or --api-key-file) every request needs `Authorization: Bearer
-KEY`; a --host other than loopback without a key is refused. Concurrent requests are batched (up to
---max-batch-size per generate call); a replica takes --max-ongoing-requests at once and queues
---max-queued-requests more (503 beyond); a request still unanswered after --request-timeout-s is ended.
+KEY`; a --host other than loopback without a key is refused. `--engine` picks what generates: this project's
+engine (`transformers`: continuous batching, every adapter in one batch), vLLM (`vllm`), or `auto`: what is faster
+on the hardware for base and for adapter requests (the choice and its reason are printed). A replica decodes up to
+--max-batch-size sequences at once (a finished one's row goes to the next request at once), takes
+--max-ongoing-requests at once and queues --max-queued-requests more (503 beyond); a request still unanswered after
+--request-timeout-s is ended.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from app.errors import CommandParser, UserInputError, first_line
 from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
 from app.runs.layout import OutputDir
-from app.tracking.adapters import registered_version
+from app.serve.engines import ENGINES, Choice, choose, vllm_cannot_run, vllm_installed
+from app.tracking.adapters import adapter_folder, base_of, registered_version
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,9 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key-file", help="a file holding the API key (default: $SERVE_API_KEY)")
     parser.add_argument("--replicas", type=int, default=1, help="copies of the deployment, each holding the base "
                         "and every adapter (Serve routes each request to one)")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="requests per generate call")
-    parser.add_argument("--max-ongoing-requests", type=int, default=32, help="requests a replica takes at once")
-    parser.add_argument("--max-queued-requests", type=int, default=64, help="requests queued beyond those (503)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto", help="what generates: this project's engine "
+                        "(transformers), vLLM (vllm), or auto: what is faster here, for base and adapter requests")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="what the model computes in (auto: bfloat16 where the hardware has it natively, else "
+                        "float32)")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="sequences a replica decodes at once")
+    parser.add_argument("--max-ongoing-requests", type=int, default=64, help="requests a replica takes at once")
+    parser.add_argument("--max-queued-requests", type=int, default=128, help="requests queued beyond those (503)")
+    parser.add_argument("--cpus-per-replica", type=int, default=0, help="CPUs Ray reserves for each replica, and "
+                        "its threads (default: this machine's cores over --replicas when Ray starts here, else 1)")
+    parser.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs of each replica (0: it decodes on "
+                        "CPUs)")
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0, help="the most memory this project's engine holds "
+                        "for its sequences' keys and values (fewer sequences run at once beyond it)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="end a request after this long")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     parser.add_argument("--metrics-port", type=int, default=0, help="where Ray exports Serve's request metrics "
@@ -80,8 +95,6 @@ def adapters_by_name(specs: list[str]) -> dict[str, str]:
 def check_sources(adapters: dict[str, str], output_dir: str) -> None:
     """Every adapter's source exists, before Ray starts: a local folder or run is found; a registered version is
     asked of the tracking server once, without MLflow's minutes of retries (the replicas download it)."""
-    from app.tracking.adapters import adapter_folder
-
     for name, source in adapters.items():
         try:
             if source.startswith("models:/"):
@@ -144,18 +157,20 @@ def loopback(host: str) -> bool:
 
 def check_numbers(args: argparse.Namespace) -> None:
     for flag in ("port", "replicas", "max_new_tokens", "max_batch_size", "max_ongoing_requests", "max_body_bytes",
-                 "request_timeout_s"):
+                 "request_timeout_s", "kv_cache_gb"):
         if not 0 < getattr(args, flag) < math.inf:  # `nan` and `inf` parse as floats
             raise UserInputError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if not 0 <= args.follow_interval_s < math.inf:
         raise UserInputError(f"--follow-interval-s {args.follow_interval_s}: 0 or more seconds")
     if not 0 <= args.metrics_port < 65536:
         raise UserInputError(f"--metrics-port {args.metrics_port}: a port number (0: a free one)")
+    if not 0 <= args.cpus_per_replica < math.inf or not 0 <= args.gpus_per_replica < math.inf:
+        raise UserInputError("--cpus-per-replica and --gpus-per-replica: 0 or more")
     if args.max_queued_requests < 0:
         raise UserInputError(f"--max-queued-requests {args.max_queued_requests}: must be 0 or more")
     if args.max_ongoing_requests < args.max_batch_size:
         raise UserInputError(f"--max-ongoing-requests {args.max_ongoing_requests}: fewer than --max-batch-size "
-                             f"{args.max_batch_size}, so no batch could fill")
+                             f"{args.max_batch_size}, so the batch could never fill")
 
 
 def running_proxy() -> tuple[str, int] | None:
@@ -197,11 +212,40 @@ def checked_arguments(args: argparse.Namespace) -> tuple[dict[str, str], str | N
     return adapters, key
 
 
+def engine_choice(args: argparse.Namespace, adapters: dict[str, str]) -> Choice:
+    """Which engine answers the base and which the adapters, decided before Ray starts: vLLM asked for where it is
+    not installed, or for a base it cannot run, is one line."""
+    gpu = args.gpus_per_replica > 0
+    if args.engine == "vllm" or (args.engine == "auto" and gpu):
+        cannot = vllm_cannot_run(local_base(args.base, adapters, args.output_dir))
+    else:
+        cannot = None if vllm_installed() else "vLLM is not installed"
+    try:
+        return choose(args.engine, gpu, cannot)
+    except ValueError as e:
+        raise UserInputError(f"{e}; or serve with --engine transformers") from None
+
+
+def describe(choice: Choice) -> str:
+    if choice.base == choice.adapters:
+        return f"{choice.base} for every request"
+    return f"{choice.base} for the base, {choice.adapters} for the adapters"
+
+
+def local_base(base: str | None, adapters: dict[str, str], output_dir: str) -> str | None:
+    """The base model's folder where it is known before any download (None: only the replicas will know)."""
+    if base:
+        return base
+    local = [source for source in adapters.values() if not source.startswith("models:/")]
+    return base_of(adapter_folder(local[0], output_dir)).path if local and "://" not in output_dir else None
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_import_noise()
     args = parse_args(argv)
     try:
         adapters, key = checked_arguments(args)
+        choice = engine_choice(args, adapters)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -218,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init()
     else:
         metrics = args.metrics_port or free_local_port()
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # Serve's fast request path (Ray's own switch)
         ray.init(address="local", include_dashboard=False, _metrics_export_port=metrics)
     try:
         check_running_proxy(running_proxy(), args, key)
@@ -225,11 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     serve.start(http_options={"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout_s})
+    cpus = args.cpus_per_replica or (1 if joins_a_cluster() else max(1, (os.cpu_count() or 1) // args.replicas))
     deployment = ChatCompletions.options(num_replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
-                                         max_queued_requests=args.max_queued_requests)
+                                         max_queued_requests=args.max_queued_requests,
+                                         ray_actor_options={"num_cpus": cpus, "num_gpus": args.gpus_per_replica})
     output_dir = args.output_dir if "://" in args.output_dir else os.path.abspath(args.output_dir)
-    app = deployment.bind(adapters, args.base, args.base_name, output_dir, args.max_new_tokens,
-                          key and key_digest(key), args.max_batch_size, args.max_body_bytes, args.follow_interval_s)
+    app = deployment.bind(adapters, choice, args.base, args.base_name, output_dir, args.max_new_tokens,
+                          key and key_digest(key), args.max_batch_size, args.max_body_bytes, args.follow_interval_s,
+                          cpus, args.kv_cache_gb, args.dtype)
+    print(f"engines: {describe(choice)} ({choice.reason})", flush=True)
     serve.run(app, name=args.name, route_prefix="/")
     print(f"serving {', '.join([args.base_name, *adapters])} at http://{args.host}:{args.port}/v1", flush=True)
     if metrics:  # Ray's metrics agent: request counts, latencies, queue lengths (ray_serve_*)

@@ -80,7 +80,7 @@ def checkpoint_generation_config(model_cfg: ModelSection, default):
 def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
     """Non-reentrant checkpointing (works with a frozen base without enable_input_require_grads) of every n-th
     decoder layer: selective checkpointing, transformers' own."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
                                           every_n_layers=every_n_layers)
     model.config.use_cache = False
 

@@ -12,8 +12,8 @@ import json
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
 
-from app.serve.engine import Job
-from app.serve.logprobs import TokenLogprob
+from app.engine.sampling import TokenLogprob
+from app.serve.jobs import Job
 from app.serve.protocol import ApiError
 
 
@@ -51,8 +51,17 @@ def usage(jobs: list[Job], completion_tokens: int) -> dict:
 
 
 async def events(job: Job) -> AsyncIterator[tuple]:
+    """The job's events as they come; text that arrived while the last piece was being sent comes as one delta
+    (a client that reads slower than the engine writes gets fewer, longer pieces, not a growing backlog)."""
     while True:
         event = await job.events.get()
+        while event[0] == "delta" and not job.events.empty():
+            following = job.events.get_nowait()
+            if following[0] != "delta":
+                yield event
+                event = following
+                break
+            event = ("delta", event[1] + following[1], following[2])
         if event[0] == "error":
             raise ApiError(500, event[1], None, "generation_failed", "server_error")
         yield event
@@ -71,7 +80,7 @@ async def answer(job: Job) -> tuple[str, str, int]:
                 finish, completion = event[1], event[2]
         return text, finish, completion
     finally:
-        job.cancelled.set()  # a no-op once finished; stops the row if this request was cancelled
+        job.cancel()  # a no-op once finished; stops the row if this request was cancelled
 
 
 # A streamed choice's body: (text, the generated tokens' new log-probabilities, finish_reason or None)
@@ -104,4 +113,4 @@ async def stream(job: Job, head: dict, include_usage: bool, piece: Piece,
     except ApiError as error:  # the status line is sent already: the error goes in the stream
         yield f"data: {json.dumps(error.body())}\n\n"
     finally:
-        job.cancelled.set()
+        job.cancel()

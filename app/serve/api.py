@@ -6,7 +6,7 @@ lm-evaluation-harness's `local-completions` sends) and GET /v1/models. With an A
 every request needs `Authorization: Bearer <key>` (401 otherwise); a body over `max_body_bytes` is refused
 (413). Requests are checked before any token is generated (400, OpenAI's error shape, naming the field).
 `stream: true` answers with server-sent events of chunk objects ending with `data: [DONE]`; every
-non-streamed answer carries `usage`. Log-probabilities (app/serve/logprobs.py) come on request. A client
+non-streamed answer carries `usage`. Log-probabilities (app/engine/sampling.py) come on request. A client
 that goes away (or a request timeout) stops its row of the batch at the next token.
 """
 
@@ -30,30 +30,32 @@ from starlette.exceptions import HTTPException
 from app.errors import first_line
 from app.serve.answers import TokenText, answer, chat_logprobs, completion_logprobs, stream, usage
 from app.serve.encoder import PromptEncoder
-from app.serve.engine import Engine, Job
+from app.serve.engines import Engines
+from app.serve.jobs import Job
 from app.serve.protocol import ApiError, ChatRequest, CompletionRequest, validation_error
 
 
 @dataclass
 class Served:
-    """What the API answers for: the engine, the model names, the context length, the default limit."""
+    """What the API answers for: the engines, the model names, the context length and vocabulary, the default
+    limit."""
 
-    engine: Engine
+    engines: Engines
     base_name: str
     adapters: list[str]
     context: int
+    vocabulary: int
     max_new_tokens: int = 64
-    routes: dict[str, str] = field(default_factory=dict)  # a served name -> the PEFT adapter answering it now
-    labels: dict[str, str] = field(default_factory=dict)  # a PEFT adapter -> what it is (models:/NAME/VERSION)
+    routes: dict[str, str] = field(default_factory=dict)  # a served name -> the adapter answering it now
+    labels: dict[str, str] = field(default_factory=dict)  # an adapter -> what it is (models:/NAME/VERSION)
     reload: Callable[[], dict] | None = None  # moves names that follow an alias to its version now
 
     @property
     def names(self) -> list[str]:
         return [self.base_name, *self.adapters]
 
-    @property
-    def vocabulary(self) -> int:
-        return self.engine.model.get_input_embeddings().num_embeddings
+    def submit(self, job: Job) -> None:
+        self.engines.of(job.adapter).submit(job)
 
     def adapter(self, model: str) -> str | None:
         """The adapter a request's `model` names (None: the base alone), or 404."""
@@ -73,10 +75,16 @@ class Served:
         return self.context - len(prompt)
 
 
-def context_length(model, tokenizer) -> int:
+def context_length(config, tokenizer) -> int:
     """The positions the model can attend to: its config's, or the tokenizer's if that is smaller."""
-    limits = [getattr(model.config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    config = getattr(config, "text_config", None) or config
+    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     return min(n for n in limits if isinstance(n, int) and n > 0)
+
+
+def vocabulary_size(config) -> int:
+    """Token ids the model's embedding has rows for."""
+    return (getattr(config, "text_config", None) or config).vocab_size
 
 
 class Gate:
@@ -167,7 +175,7 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
     @api.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest):
         job = _chat_job(served, encoder, request)
-        served.engine.submit(job)
+        served.submit(job)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model,
                 "system_fingerprint": served.label(job.adapter)}
         logprobs = (lambda entries: chat_logprobs(entries, text)) if job.logprobs is not None else (lambda _: None)
@@ -187,7 +195,7 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
     async def completions(request: CompletionRequest):
         jobs = [_completion_job(served, tokenizer, request, prompt, i) for i, prompt in enumerate(request.prompts)]
         for job in jobs:
-            served.engine.submit(job)
+            served.submit(job)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": request.model, "system_fingerprint": served.label(jobs[0].adapter)}
         if request.stream:
@@ -196,7 +204,7 @@ def build_api(served: Served, tokenizer, key_sha256: str | None = None, max_body
             answers = await asyncio.gather(*map(answer, jobs))
         finally:
             for job in jobs:
-                job.cancelled.set()
+                job.cancel()
         choices = [_completion_choice(job, i, *answered, text) for i, (job, answered) in enumerate(zip(jobs, answers))]
         return {**head, "choices": choices, "usage": usage(jobs, sum(done[2] for done in answers))}
 
@@ -214,7 +222,8 @@ def _chat_job(served: Served, encoder: PromptEncoder, request: ChatRequest) -> J
     room = served.room(prompt, "messages")
     _check_limit(request.limit, room)
     return Job(prompt=prompt, adapter=adapter, max_tokens=request.limit or min(served.max_new_tokens, room),
-               sampling=request.sampling, stops=request.stop, seed=request.seed, logprobs=request.alternatives)
+               temperature=request.drawn_temperature, top_p=request.top_p, stops=request.stop, seed=request.seed,
+               logprobs=request.alternatives)
 
 
 def _completion_job(served: Served, tokenizer, request: CompletionRequest, prompt: str | list[int], i: int) -> Job:
@@ -229,8 +238,8 @@ def _completion_job(served: Served, tokenizer, request: CompletionRequest, promp
     room = served.room(ids, param)
     _check_limit(request.max_tokens, room)
     limit = request.max_tokens if request.max_tokens is not None else min(served.max_new_tokens, room)
-    return Job(prompt=ids, adapter=adapter, max_tokens=limit, sampling=request.sampling, stops=request.stop,
-               seed=request.seed, logprobs=request.logprobs, echo=request.echo)
+    return Job(prompt=ids, adapter=adapter, max_tokens=limit, temperature=request.drawn_temperature,
+               top_p=request.top_p, stops=request.stop, seed=request.seed, logprobs=request.logprobs, echo=request.echo)
 
 
 def _check_limit(limit: int | None, room: int) -> None:

@@ -1,11 +1,11 @@
 """Served names that follow a registry alias (`--adapter speller=models:/speller@champion`).
 
 Every `interval_s` (and on `POST /v1/admin/reload`) each alias is asked for its version. A new version is
-downloaded beside the old one (in this thread), checked to be on the served base, loaded by the generation
-thread between two batches under a name of its own, and only then does the served name point at it: a request
-is answered wholly by the version it started on, and none by a half-loaded adapter. The replaced adapter is
-deleted once the requests that named it have ended (app/serve/engine.py). A failed check leaves the versions
-served as they were, and says why in the log.
+downloaded beside the old one (in this thread), checked to be on the served base, loaded by the engine that
+answers adapters (between two of its steps) under a name of its own, and only then does the served name point
+at it: a request is answered wholly by the version it started on, and none by a half-loaded adapter. The
+replaced adapter is deleted once the requests that named it have ended (each engine's `retire`). A failed check
+leaves the versions served as they were, and says why in the log.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 from mlflow.tracking import MlflowClient
 
 from app.errors import first_line
-from app.model.adapter import peft_on_transformers_5
 from app.serve.api import Served
 from app.tracking.adapters import Base, adapter_folder, base_of, registered_version
 
@@ -48,17 +47,10 @@ class AliasFollower:
         if not recorded.same_as(self.base):
             raise ValueError(f"{version} was trained on {recorded}, not on the served base {self.base}")
         loaded, before = f"{name}@{version.rsplit('/', 1)[-1]}#{next(self.loads)}", self.served.adapter(name)
-        model = self.served.engine.model
-
-        def load() -> None:
-            with peft_on_transformers_5():
-                model.load_adapter(str(folder), adapter_name=loaded)
-            model.eval()
-
-        self.served.engine.between_batches(load).result()
+        self.served.engines.load_adapter(loaded, str(folder))
         self.served.labels[loaded] = version
         self.served.routes[name] = loaded  # one assignment: every request from here on
-        self.served.engine.retire(before)
+        self.served.engines.retire(before)
         log.warning("%s now answers with %s (was %s)", name, version, self.served.label(before))
 
     def _poll(self, interval_s: float) -> None:

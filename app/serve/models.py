@@ -6,17 +6,30 @@ mismatch is refused in one line.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from app.model.adapter import peft_on_transformers_5
 from app.tracking.adapters import adapter_folder, base_of, check_base, same_location
 
 
-def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "outputs"):
-    """(PeftModel with every adapter, tokenizer): the adapters by name, on the base they all name (or
-    `base`, checked against their recorded sha256)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class ServedFiles:
+    """Where the served weights are: the base (a folder or hub id, at a revision) and each adapter's folder."""
 
+    base: str
+    revision: str | None
+    folders: dict[str, Path]
+
+    @property
+    def tokenizer_source(self) -> str | Path:
+        """The run saved its tokenizer with the adapter; a bare PEFT folder has none: the base's then."""
+        return next((f for f in self.folders.values() if (f / "tokenizer_config.json").exists()), self.base)
+
+
+def served_files(adapters: dict[str, str], base: str | None = None, output_dir: str = "outputs") -> ServedFiles:
+    """The adapters' folders by name and the base they all name (or `base`, checked against their recorded
+    sha256)."""
     folders = {name: adapter_folder(source, output_dir) for name, source in adapters.items()}
     bases = {name: base_of(folders[name], source) for name, source in adapters.items()}
     first, *others = bases
@@ -28,13 +41,33 @@ def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "o
     revision = bases[first].revision if same_location(path, bases[first].path) else None
     for name in {recorded.sha256: name for name, recorded in bases.items() if recorded.sha256}.values():
         check_base(path, bases[name], f"adapter {name}")  # the base's bytes hashed once per recorded digest
-    # the run saved its tokenizer with the adapter; a bare PEFT folder has none: the base's then
-    tokenizer = AutoTokenizer.from_pretrained(next(
-        (f for f in folders.values() if (f / "tokenizer_config.json").exists()), path), revision=revision)
+    return ServedFiles(path, revision, folders)
+
+
+def load_tokenizer(files: ServedFiles):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(files.tokenizer_source, revision=files.revision)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch.float32)
+    return tokenizer
+
+
+def load_model(files: ServedFiles, dtype=None):
+    """A PeftModel with every adapter (each under its name) on the base, in `dtype` (fp32 unless given)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(files.base, revision=files.revision, dtype=dtype or torch.float32)
+    (first, folder), *others = files.folders.items()
     with peft_on_transformers_5():
-        model = PeftModel.from_pretrained(model, folders[first], adapter_name=first).eval()
-        for name in others:
-            model.load_adapter(folders[name], adapter_name=name)
-    return model, tokenizer
+        model = PeftModel.from_pretrained(model, folder, adapter_name=first).eval()
+        for name, other in others:
+            model.load_adapter(other, adapter_name=name)
+    return model
+
+
+def load(adapters: dict[str, str], base: str | None = None, output_dir: str = "outputs", dtype=None):
+    """(PeftModel with every adapter, tokenizer)."""
+    files = served_files(adapters, base, output_dir)
+    return load_model(files, dtype), load_tokenizer(files)

@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.serve.encoder import ROLES
-from app.serve.logprobs import MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):
@@ -42,6 +41,7 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, message if not path or not param else f"{param}: {message}", param, "invalid_value")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives per token
 MIN_SAMPLING_TEMPERATURE = 1e-4  # below: greedy, what it would sample anyway (logits / 5e-324 overflow to inf)
 MAX_STOP_CHARS = 512  # a stop is looked for after every token: its length bounds that work
 
@@ -118,12 +118,9 @@ class _Generation(_Strict):
         return self
 
     @property
-    def sampling(self) -> tuple:
-        """What must be equal for two requests to share one generate call: greedy, or the sampling
-        settings (a seeded one samples alone: the engine's rule, Job.seeded)."""
-        if self.temperature < MIN_SAMPLING_TEMPERATURE:
-            return ("greedy",)
-        return ("sample", self.temperature, self.top_p)
+    def drawn_temperature(self) -> float:
+        """The temperature tokens are drawn at: 0 (greedy) below MIN_SAMPLING_TEMPERATURE."""
+        return 0.0 if self.temperature < MIN_SAMPLING_TEMPERATURE else self.temperature
 
 
 class ChatRequest(_Generation):

@@ -1,42 +1,80 @@
-"""OpenAI-compatible chat completions on Ray Serve: one base model, any number of LoRA adapters.
+"""OpenAI-compatible chat and text completions on Ray Serve: one base model, any number of LoRA adapters.
 
-The request's `model` picks the adapter (multi-LoRA: PEFT holds every adapter beside the one base, and
-a batch runs each row with its own); the base's own name answers without any. Adapters come from a
-local folder, a run name under the output directory, or the MLflow Model Registry
-(`models:/NAME/VERSION`, or `models:/NAME@ALIAS`: followed as the alias moves, app/serve/follow.py),
-resolved by the replica itself, so it may run on any node that reaches the
-storage or the tracking server. The HTTP API is app/serve/api.py (keys, limits, validation, streaming)
-and generation app/serve/engine.py (transformers' `generate` on batches of concurrent requests): what
-a CPU cluster runs; GPU clusters serve the same registered adapters with vLLM (cluster/serve-llm.yaml).
-This module is Ray's edge: the deployment and its limits.
+The request's `model` picks the adapter; the base's own name answers without any. Adapters come from a local
+folder, a run name under the output directory, or the MLflow Model Registry (`models:/NAME/VERSION`, or
+`models:/NAME@ALIAS`: followed as the alias moves, app/serve/follow.py), resolved by the replica itself, so it
+may run on any node that reaches the storage or the tracking server. The HTTP API is app/serve/api.py (keys,
+limits, validation, streaming); behind it the engines the driver chose (app/serve/engines.py): this project's
+engine (app/engine/, continuous batching over every adapter at once) and/or vLLM's (app/serve/vllm_engine.py).
+This module is Ray's edge: the deployment, its limits and its health.
 """
 
 from __future__ import annotations
 
+import torch
 from ray import serve
+from transformers import AutoConfig, GenerationConfig
 
-from app.serve.api import Served, build_api, context_length
-from app.serve.engine import Engine
+from app.engine.sequence import end_token_ids
+from app.model.hardware import has_fast_bf16, resolve_dtype
+from app.serve.api import Served, build_api, context_length, vocabulary_size
+from app.serve.engine import TransformersEngine, in_model_dtype
+from app.serve.engines import Choice, Engines
 from app.serve.follow import AliasFollower
-from app.serve.models import load
+from app.serve.models import ServedFiles, load_model, load_tokenizer, served_files
+from app.serve.vllm_engine import VllmEngine
 from app.tracking.adapters import adapter_folder, base_of, pinned
 
-# Serve's defaults for a replica: concurrent requests (a batch is at most max_batch_size of them) and
-# those queued beyond that (refused with 503 when full). jobs.serve sets both from its arguments.
-LIMITS = {"max_ongoing_requests": 32, "max_queued_requests": 64}
+# Serve's defaults for a replica: concurrent requests and those queued beyond that (refused with 503 when full).
+# jobs.serve sets both from its arguments.
+LIMITS = {"max_ongoing_requests": 64, "max_queued_requests": 128}
+
+
+def generation_config(files: ServedFiles) -> GenerationConfig | None:
+    """The base's generation_config.json (its end-of-turn tokens), where it has one."""
+    try:
+        return GenerationConfig.from_pretrained(files.base, revision=files.revision)
+    except OSError:
+        return None
+
+
+def start_engines(choice: Choice, files: ServedFiles, tokenizer, config, max_rows: int, cache_gb: float,
+                  device: torch.device, threads: int | None = None, dtype: str = "auto",
+                  eager: bool = False) -> Engines:
+    """The engines `choice` names, one instance per kind (one serving both where it names one), computing in
+    `dtype` (auto: bf16 where the hardware has it natively); `eager`: vLLM without compiling (a faster start)."""
+    dtype = resolve_dtype(dtype, has_fast_bf16(device))
+    started = {}
+    if "transformers" in choice.engines:
+        model = load_model(files, getattr(torch, dtype)).to(device)
+        in_model_dtype(model)
+        started["transformers"] = TransformersEngine(model, tokenizer, max_rows, cache_gb=cache_gb)
+    if "vllm" in choice.engines:
+        ends = end_token_ids(generation_config(files), tokenizer)
+        adapters = {name: str(f) for name, f in files.folders.items()} if choice.adapters == "vllm" else {}
+        started["vllm"] = VllmEngine(files.base, adapters, ends, context_length(config, tokenizer), dtype, max_rows,
+                                     device.type == "cuda", cache_gb, threads, files.revision, eager)
+    return Engines(started[choice.base], started[choice.adapters], choice)
 
 
 @serve.deployment(**LIMITS)
 @serve.ingress()
 class ChatCompletions:
-    def __init__(self, adapters: dict[str, str], base: str | None = None, base_name: str = "base",
+    def __init__(self, adapters: dict[str, str], choice: Choice, base: str | None = None, base_name: str = "base",
                  output_dir: str = "outputs", max_new_tokens: int = 64, key_sha256: str | None = None,
-                 max_batch_size: int = 8, max_body_bytes: int = 1 << 20, follow_interval_s: float = 30.0):
+                 max_rows: int = 64, max_body_bytes: int = 1 << 20, follow_interval_s: float = 30.0,
+                 threads: int | None = None, cache_gb: float = 4.0, dtype: str = "auto"):
+        if threads:
+            torch.set_num_threads(threads)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         sources = {name: pinned(source) for name, source in adapters.items()}  # an alias: its version now
-        model, self.tokenizer = load(sources, base, output_dir)
-        context = context_length(model, self.tokenizer)
-        self.served = Served(Engine(model, self.tokenizer, max_batch_size, context), base_name, list(adapters),
-                             context, max_new_tokens,
+        files = served_files(sources, base, output_dir)
+        self.tokenizer = load_tokenizer(files)
+        config = AutoConfig.from_pretrained(files.base, revision=files.revision)
+        context = context_length(config, self.tokenizer)
+        engines = start_engines(choice, files, self.tokenizer, config, max_rows, cache_gb, device, threads,
+                                dtype)
+        self.served = Served(engines, base_name, list(adapters), context, vocabulary_size(config), max_new_tokens,
                              labels={name: uri for name, uri in sources.items() if uri.startswith("models:/")})
         followed = {name: source for name, source in adapters.items() if source != sources[name]}
         if followed:
@@ -44,6 +82,12 @@ class ChatCompletions:
             follower = AliasFollower(self.served, followed, base_of(adapter_folder(first), first), follow_interval_s)
             self.served.reload = follower.check
         self.key_sha256, self.max_body_bytes = key_sha256, max_body_bytes
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose engine died (its in-flight requests failed with it)."""
+        broken = self.served.engines.broken
+        if broken:
+            raise RuntimeError(f"the engine stopped: {broken}")
 
     def __serve_build_asgi_app__(self):
         return build_api(self.served, self.tokenizer, self.key_sha256, self.max_body_bytes)

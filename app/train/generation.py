@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from app.data.chat import IGNORE_INDEX
+from app.engine.sequence import end_token_ids
 from app.errors import warn_once
 from app.train.host_memory import release_free_host_memory
 
@@ -44,14 +45,6 @@ def prompts_and_references(batches: Iterable[dict], count: int) -> list[tuple[to
                 if len(pairs) == count:
                     return pairs
     return pairs
-
-
-def end_token_ids(model, tokenizer) -> list[int]:
-    """Every token that ends an answer: the model's generation config's eos_token_id (an int or a list) and
-    the tokenizer's eos."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {configured} if isinstance(configured, int) else set(configured or ())
-    return sorted(ids | ({tokenizer.eos_token_id} - {None}))
 
 
 @torch.no_grad()
@@ -112,7 +105,7 @@ def generation_table(model, batches: Iterable[dict], tokenizer, count: int, max_
     warns, once, of references longer than `max_new_tokens` (named `max_new_tokens_setting`)."""
     pairs = prompts_and_references(batches, count)
     rank, world = dist.get_rank(), dist.get_world_size()
-    end_ids = end_token_ids(model, tokenizer)
+    end_ids = end_token_ids(getattr(model, "generation_config", None), tokenizer)
     too_long = sum(answer_length(reference, end_ids) > max_new_tokens for _, reference in pairs)
     if too_long and rank == 0:
         warn_once(f"{too_long} of {len(pairs)} reference answers are longer than {max_new_tokens_setting}="

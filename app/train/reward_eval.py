@@ -15,7 +15,8 @@ import torch.distributed as dist
 from app.config.grpo import reward_name
 from app.config.sections import metric_name
 from app.data.chat import pad_id
-from app.train.generation import all_ranks_done, end_token_ids, greedy_batch
+from app.engine.sequence import end_token_ids
+from app.train.generation import all_ranks_done, greedy_batch
 from app.train.host_memory import release_free_host_memory
 from app.train.rewards import combined
 from app.train.rollouts import Scorer, as_answers, reward_columns
@@ -41,8 +42,9 @@ def evaluate_rewards(model, eval_pass: Callable[[], Iterable], tokenizer, device
     batch = [prompts[i] for i in mine] or [prompts[0]]  # a rank with no prompt decodes a stand-in in lockstep
     was_training = model.training
     model.eval()
-    answers = greedy_batch(model, batch, grpo.max_completion_tokens, end_token_ids(model, tokenizer), pad_id(tokenizer),
-                           device, lambda done: all_ranks_done(done, device))
+    ends = end_token_ids(getattr(model, "generation_config", None), tokenizer)
+    answers = greedy_batch(model, batch, grpo.max_completion_tokens, ends, pad_id(tokenizer), device,
+                           lambda done: all_ranks_done(done, device))
     model.train(was_training)
     release_free_host_memory()
     rows = score_rows([records[i] for i in mine], answers[:len(mine)], tokenizer, scorer, grpo, eval_cfg, mine)

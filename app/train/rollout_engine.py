@@ -1,12 +1,12 @@
 """What a rollout actor runs: one decoding loop, in a thread of its own, over the requests of every training rank
-that reaches it. Requests of the same adapter share the batch: a rank's answers join the rows of another rank's
-still being decoded, and with grpo.rollout_batch_rows a finished answer's row goes to the next waiting answer
-(continuous batching, app/train/decoding.py).
+that reaches it. Requests of the same adapter share the engine's batch (app/engine/: a rank's answers join the rows
+of another rank's still being decoded, and with grpo.rollout_batch_rows a finished answer's row goes to the next
+waiting answer).
 
 Every request names the adapter step it must be sampled with and carries that adapter (fetched only when the
 engine does not hold it yet, checked against the trainer's checksum before it samples anything): the engine
-swaps adapters only between batches, so an answer is always sampled with the adapter its request named, whatever
-order the requests arrive in, and an actor that Ray restarts needs nothing re-sent.
+swaps adapters only when no answer runs, so an answer is always sampled with the adapter its request named,
+whatever order the requests arrive in, and an actor that Ray restarts needs nothing re-sent.
 
 Plain threads and torch: the actor (app/launch/rollout_group.py) calls `sample` from as many threads as it has
 callers; the unit tests call it from their own threads.
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from app.config.grpo import GrpoSection
-from app.train.decoding import Answer
+from app.engine.sequence import Sequence
 from app.train.sampling import Sampled, Sampler, seeded_answers
 
 
@@ -31,7 +30,7 @@ from app.train.sampling import Sampled, Sampler, seeded_answers
 class Request:
     """One call's answers, the adapter they are sampled with, and how it ended."""
 
-    answers: list[Answer]
+    answers: list[Sequence]
     version: int
     checksum: str
     weights: Callable[[], dict[str, torch.Tensor]]
@@ -47,23 +46,24 @@ class Request:
 
 class RolloutEngine:
     def __init__(self, sampler: Sampler, grpo: GrpoSection):
-        self.sampler, self.grpo = sampler, grpo
-        self.batch = sampler.decoding_batch(grpo)
+        self.sampler, self.grpo, self.core = sampler, grpo, sampler.core
+        if self.core is not None:
+            self.core.max_rows = grpo.rollout_batch_rows or 1 << 16
         self.changed = threading.Condition()
         self.waiting: list[Request] = []  # requests not started, in arrival order
         self.running: list[Request] = []  # requests whose answers are decoding (all of the adapter held)
-        self.queued: deque[Answer] = deque()  # answers of running requests still waiting for a row
         self.idle_since: float | None = time.perf_counter()  # when it last ran out of work (None: busy)
         self.serial = threading.Lock()
         self.broken: BaseException | None = None  # what stopped the decoding loop, if it stopped
-        threading.Thread(target=self.serve, daemon=True, name="rollout-engine").start()
+        if self.core is not None:
+            threading.Thread(target=self.serve, daemon=True, name="rollout-engine").start()
 
     def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,
                weights: Callable[[], dict[str, torch.Tensor]]) -> Sampled:
         """grpo.num_generations answers to each prompt with the adapter of step `version` (its weights fetched by
         `weights` if the engine does not hold it), the i-th seeded by its place `first + i` in the caller's
         request; raises why that adapter was refused."""
-        if not self.sampler.continuous:  # transformers' generate: one request at a time
+        if self.core is None:  # transformers' generate: one request at a time
             with self.serial:
                 self.hold(version, checksum, weights)
                 return Sampled(self.sampler.sample(prompts, self.grpo, seed, first), version, checksum)
@@ -100,7 +100,7 @@ class RolloutEngine:
 
     def serving(self) -> None:
         """Start the requests the held adapter can serve (or swap adapters when none runs), decode a step, answer
-        the requests whose answers all ended; a step's error goes to the requests it concerned."""
+        the requests whose answers all ended."""
         while True:
             with self.changed:
                 while not self.waiting and not self.running:
@@ -109,9 +109,11 @@ class RolloutEngine:
                 starting = self.startable()
             try:
                 self.start(starting)
-                self.decode_step()
-            except Exception as error:  # noqa: BLE001 - handed to the callers waiting, who raise it
-                self.fail(list(dict.fromkeys(self.running + starting)), error)
+            except Exception as error:  # noqa: BLE001 - an adapter refused: its callers raise it, the rest go on
+                self.fail(starting, error)
+            if self.core.busy:
+                self.core.step()
+            self.answer_finished()
 
     def startable(self) -> list[Request]:
         """The waiting requests of the adapter held, or when nothing runs, those of the oldest waiting request's."""
@@ -127,32 +129,27 @@ class RolloutEngine:
 
     def start(self, starting: list[Request]) -> None:
         """The requests' adapter swapped in if it is not the one held (checked against its checksum), their answers
-        queued for rows."""
+        handed to the engine."""
         if not starting:
             return
         self.hold(starting[0].version, starting[0].checksum, starting[0].weights)
         self.running += starting
         for request in starting:
             request.sampled_with = (self.sampler.version, self.sampler.checksum)
-            self.queued.extend(request.answers)
+            for answer in request.answers:
+                self.core.add(answer)
 
-    def decode_step(self) -> None:
-        """Waiting answers into the free rows (their prompts' forward), else one token for every row; then the
-        requests whose answers all ended are answered."""
-        free = (self.grpo.rollout_batch_rows or len(self.queued) + len(self.batch)) - len(self.batch)
-        if self.queued and free > 0:
-            self.batch.admit([self.queued.popleft() for _ in range(min(free, len(self.queued)))])
-        elif len(self.batch):
-            self.batch.advance()
+    def answer_finished(self) -> None:
+        """The requests whose answers all ended are answered (with the engine's error, if a step failed them)."""
         for request in [r for r in self.running if r.finished]:
             self.running.remove(request)
+            failed = next((a.error for a in request.answers if a.error is not None), None)
+            request.error = None if failed is None else RuntimeError(f"sampling failed: {failed}")
             request.done.set()
 
     def fail(self, requests: list[Request], error: Exception) -> None:
-        """The requests answered with `error`; the batch emptied for those that come next."""
+        """The requests answered with `error`."""
         self.running = [r for r in self.running if r not in requests]
-        self.queued.clear()
-        self.batch = self.sampler.decoding_batch(self.grpo)
         for request in requests:
             request.error = error
             request.done.set()

@@ -1,6 +1,7 @@
 """Answers sampled from the current policy for online RL: the frozen base once, the LoRA adapter swapped in after
-each optimizer step (only its weights travel: app/train/rollouts.py), decoded with continuous batching
-(app/train/decoding.py; transformers' batched `generate` for a model whose cache has sliding windows).
+each optimizer step (only its weights travel: app/train/rollouts.py), decoded by the project's engine (app/engine/:
+continuous batching, a prompt that answers share computed once; sliding windows and soft-capped logits as the model
+has them), or by transformers' batched `generate` for a model whose attention the engine cannot run.
 
 A `Sampler` is what a rollout actor's engine holds (app/train/rollout_engine.py), and what the unit tests drive
 in the trainer's own process. Each call is seeded by its caller and each answer by its place in the call, so a
@@ -20,15 +21,19 @@ import torch
 from torch import nn
 
 from app.data.chat import pad_id
+from app.engine.core import EngineCore
+from app.engine.sampling import SamplingParams
+from app.engine.sequence import Sequence, end_token_ids
 from app.model.adapter import load_adapter_weights
 from app.model.base import load_tokenizer
 from app.model.build import build_lora_model
-from app.train.decoding import Answer, DecodingBatch, Drawing, answer_seed, decode, supports_continuous_batching
-from app.train.generation import end_token_ids
 
 if TYPE_CHECKING:
     from app.config.grpo import GrpoSection
     from app.config.schema import FinetuneConfig
+
+POLICY = "default"  # the PEFT adapter the policy's weights are loaded into
+PROMPT_TOKENS_PER_STEP = 2048  # the prompts an engine step computes beside the answers it decodes
 
 
 @dataclass
@@ -54,11 +59,24 @@ class Sampled:
     restarts: int = 0  # rollout actors that Ray restarted before this answer (each counted in its first answer)
 
 
-def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int) -> list[Answer]:
+def answer_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th answer of a request seeded `seed`."""
+    return (seed * 1_000_033 + index * 7_919 + 1) % 2**63
+
+
+def drawing(grpo: GrpoSection) -> SamplingParams:
+    """How a rollout's tokens are drawn (the grpo section's settings), each one's log-probability under the
+    distribution it was drawn from (over the temperature, before top-k and top-p), as the loss takes it."""
+    return SamplingParams(max_tokens=grpo.max_completion_tokens, temperature=grpo.temperature, top_p=grpo.top_p,
+                          top_k=grpo.top_k, logprobs=0, logprobs_of="sampled")
+
+
+def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int) -> list[Sequence]:
     """grpo.num_generations answers to each prompt (those of a prompt consecutive), the i-th seeded by its place
     `first + i` in the request."""
     rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
-    return [Answer.seeded(row, answer_seed(seed, first + i)) for i, row in enumerate(rows)]
+    params = drawing(grpo)
+    return [Sequence(row, params, POLICY, seed=answer_seed(seed, first + i)) for i, row in enumerate(rows)]
 
 
 def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
@@ -71,6 +89,15 @@ def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
+def engine_core(model: nn.Module, end_ids: list[int]) -> EngineCore | None:
+    """The engine over the policy model, or None where its attention does not go through transformers'
+    AttentionInterface (transformers' `generate` decodes those)."""
+    try:
+        return EngineCore(model, end_ids, max_step_tokens=PROMPT_TOKENS_PER_STEP)
+    except ValueError:
+        return None
+
+
 class Sampler:
     def __init__(self, model: nn.Module, end_ids: list[int], pad_id: int, device: torch.device | str = "cpu"):
         self.model, self.end_ids, self.pad_id, self.device = model.eval(), list(end_ids), pad_id, torch.device(device)
@@ -79,13 +106,14 @@ class Sampler:
             param.requires_grad_(False)
         self.version, self.checksum = -1, ""  # the optimizer step whose adapter it holds (-1: the starting one)
         self.idle_since = time.perf_counter()  # when its last request was answered
-        self.continuous = supports_continuous_batching(model)
+        self.core = engine_core(model, end_ids)
 
     @torch.no_grad()
     def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
         """The trained adapter's weights, by parameter name (the trainer's FSDP2 model and this one are the same
         PEFT model, so the names are the same): every LoRA weight, or none; refused (ValueError) when they are not
-        what the trainer sent (`checksum`)."""
+        what the trainer sent (`checksum`). The held version is forgotten first: a copy that fails part-way leaves
+        no adapter labelled as one it is not."""
         if set(weights) != self.names:
             missing = sorted(self.names - set(weights)) or sorted(set(weights) - self.names)
             raise ValueError(f"the adapter sent to the sampler does not match its model (first: {missing[0]})")
@@ -93,6 +121,7 @@ class Sampler:
         if checksum is not None and received != checksum:
             raise ValueError(f"the adapter of step {version} arrived changed (checksum {received}, sent {checksum}): "
                              "the sync is refused")
+        self.version, self.checksum = -2, ""  # none until the copy is whole
         parameters = dict(self.model.named_parameters())
         for name, value in weights.items():
             parameters[name].copy_(value.to(parameters[name].dtype))
@@ -110,19 +139,23 @@ class Sampler:
     def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int = 0) -> list[Completion]:
         """grpo.num_generations answers to each prompt (those of one prompt consecutive), drawn as the grpo section
         says (temperature, top_p, top_k, max_completion_tokens); the i-th seeded by `seed` and its place `first + i`
-        in the request these prompts are part of."""
-        if not self.continuous:
+        in the request these prompts are part of; at most grpo.rollout_batch_rows decoded at once."""
+        if self.core is None:
             return self.generated([p for p in prompts for _ in range(grpo.num_generations)], grpo,
                                   answer_seed(seed, first))
-        answers = decode(self.decoding_batch(grpo), seeded_answers(prompts, grpo, seed, first), grpo.rollout_batch_rows)
+        answers = seeded_answers(prompts, grpo, seed, first)
+        self.core.max_rows = grpo.rollout_batch_rows or len(answers)
+        for answer in answers:
+            self.core.add(answer)
+        while self.core.busy:
+            self.core.step()
+        failed = next((a.error for a in answers if a.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"sampling failed: {failed}")
         return [self.completion(a) for a in answers]
 
-    def decoding_batch(self, grpo: GrpoSection) -> DecodingBatch:
-        drawing = Drawing(grpo.temperature, grpo.top_k, grpo.top_p, grpo.max_completion_tokens)
-        return DecodingBatch(self.model, self.end_ids, self.pad_id, self.device, drawing)
-
-    def completion(self, answer: Answer) -> Completion:
-        return Completion(answer.ids, answer.logps, truncated=answer.ids[-1] not in self.end_ids)
+    def completion(self, answer: Sequence) -> Completion:
+        return Completion(answer.ids, [entry.logprob for entry in answer.logprobs], truncated=not answer.ended_by_token)
 
     @torch.no_grad()
     def generated(self, rows: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:
@@ -158,4 +191,4 @@ def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
     if init_adapter is not None:
         load_adapter_weights(model, init_adapter)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
-    return Sampler(model, end_token_ids(model, tokenizer), pad_id(tokenizer), device)
+    return Sampler(model, end_token_ids(model.generation_config, tokenizer), pad_id(tokenizer), device)

@@ -1,9 +1,12 @@
-"""`python -m jobs.serve` on a Ray cluster of its own, queried over HTTP by the OpenAI Python client.
+"""`python -m jobs.serve` on a Ray cluster of its own, queried over HTTP by the OpenAI Python client, on each
+engine (this project's, and vLLM's where it is installed).
 
 Two adapters on one base: the reference run's, registered in MLflow and served from the registry, and
 a second one with random weights read from its folder. Each answer must be what base + that adapter
 generate greedily in plain PEFT, also when requests for all three models arrive at once; requests need
-the API key; a bad field is refused with 400 through Serve's proxy; `stream: true` streams the answer.
+the API key; a bad field is refused with 400 through Serve's proxy; `stream: true` streams the answer; a
+client that leaves frees its row; lm-eval scores the server as its hf backend scores the adapter; a replica
+whose engine is killed fails its own requests and Serve replaces it.
 """
 
 import concurrent.futures
@@ -18,6 +21,7 @@ import requests
 from openai import AuthenticationError, BadRequestError, InternalServerError, NotFoundError, OpenAI
 
 from tests.helpers import free_port
+from tests.unit.serve.conftest import ENGINES
 from tests.unit.serve.reference import QUESTION, plain_greedy, random_adapter
 
 pytestmark = pytest.mark.e2e
@@ -27,8 +31,11 @@ KEY = "integration-key-9876"
 METRICS_PORT = free_port()
 
 
-@pytest.fixture(scope="module")
-def served(reference_run, embedded, tmp_path_factory):
+ROWS = 4  # --max-batch-size: sequences a replica decodes at once
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request, reference_run, embedded, tmp_path_factory):
     cfg, summary = reference_run
     noisy = random_adapter(embedded["model"], tmp_path_factory.mktemp("serving") / "noisy", seed=3)
     port = free_port()
@@ -36,11 +43,12 @@ def served(reference_run, embedded, tmp_path_factory):
         [sys.executable, "-m", "jobs.serve", "--adapter", f"demo=models:/reference-adapter/{summary['version']}",
          "--adapter", f"noisy={noisy}", "--port", str(port), "--max-new-tokens", "12",
          "--max-ongoing-requests", "8", "--max-queued-requests", "8", "--request-timeout-s", "120",
-         "--metrics-port", str(METRICS_PORT)],
+         "--metrics-port", str(METRICS_PORT), "--engine", request.param, "--max-batch-size", str(ROWS),
+         "--dtype", "float32"],  # plain PEFT's answers, to the bit
         env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"], "SERVE_API_KEY": KEY},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 300
         while time.time() < deadline:
             assert server.poll() is None, server.stdout.read()[-3000:]
             try:
@@ -51,7 +59,7 @@ def served(reference_run, embedded, tmp_path_factory):
                 pass
             time.sleep(2)
         else:
-            pytest.fail("the Serve application did not come up in 240 s")
+            pytest.fail("the Serve application did not come up in 300 s")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         yield client, {"demo": summary["adapter_path"], "noisy": noisy, "base": None}
     finally:
@@ -127,23 +135,27 @@ def test_requests_beyond_the_replica_and_its_queue_get_503(served):
     assert 503 in statuses
 
 
-def test_a_client_that_disconnects_stops_its_generation(served):
-    """Batches are static: a request waits for the batch that runs. After a long streamed request's client
-    leaves, the next request must not wait for that request's remaining tokens."""
+def test_clients_that_disconnect_free_their_rows(served):
+    """A replica decodes ROWS sequences at once: ROWS long streamed requests whose clients leave after their first
+    chunk must free their rows, so the next request does not wait behind their remaining tokens."""
     client, _ = served
-    port = client.base_url.port
-    url, headers = f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    url, headers = f"http://127.0.0.1:{client.base_url.port}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
     long = {"model": "noisy", "messages": QUESTION, "max_tokens": 230}
     started = time.perf_counter()
     assert requests.post(url, json=long, headers=headers, timeout=120).json()["usage"]["completion_tokens"] == 230
     whole = time.perf_counter() - started
-    with requests.post(url, json={**long, "stream": True}, headers=headers, timeout=120, stream=True) as stream:
-        next(line for line in stream.iter_lines() if line.startswith(b"data: {"))
-    time.sleep(0.2)  # the proxy sees the closed connection and cancels the request
+
+    def leave(_) -> None:
+        with requests.post(url, json={**long, "stream": True}, headers=headers, timeout=120, stream=True) as stream:
+            next(line for line in stream.iter_lines() if line.startswith(b"data: {"))
+
+    with concurrent.futures.ThreadPoolExecutor(ROWS) as pool:
+        list(pool.map(leave, range(ROWS)))
+    time.sleep(0.2)  # the proxy sees the closed connections and cancels the requests
     started = time.perf_counter()
     client.chat.completions.create(model="base", messages=QUESTION, max_tokens=1)
     waited = time.perf_counter() - started
-    assert waited < whole / 2, f"waited {waited:.2f} s behind the disconnected request (all of it: {whole:.2f} s)"
+    assert waited < whole / 2, f"waited {waited:.2f} s behind the disconnected requests (one whole: {whole:.2f} s)"
 
 
 LM_EVAL_ROUTES = {"local-completions": "completions", "local-chat-completions": "chat/completions"}
@@ -189,3 +201,39 @@ def test_lm_eval_scores_the_server_as_its_hf_backend_scores_the_adapter(served, 
     for served_results in (completions, chat):
         assert _per_document(served_results, tasks[1]) == _per_document(local, tasks[1])
         assert served_results["results"][tasks[1]]["exact_match,none"] == local["results"][tasks[1]]["exact_match,none"]
+
+
+def replica_engine_process(engine: str):
+    """The process whose death kills the engine: the replica itself (this project's engine runs in it), or vLLM's
+    engine core (a child process of the replica)."""
+    import psutil
+
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if any("ServeReplica:finetune-chat" in part for part in p.info["cmdline"] or [])]
+    assert len(replicas) == 1, replicas
+    if engine == "transformers":
+        return replicas[0]
+    cores = [p for p in replicas[0].children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+    assert cores, [p.cmdline() for p in replicas[0].children(recursive=True)]
+    return cores[0]
+
+
+def test_an_engine_killed_fails_its_requests_and_serve_replaces_the_replica(served, embedded, request):
+    """Runs last in the module (it restarts the replica)."""
+    client, adapters = served
+    engine = request.node.callspec.params["served"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        in_flight = pool.submit(lambda: client.chat.completions.create(model="noisy", messages=QUESTION,
+                                                                         max_tokens=230, timeout=120))
+        time.sleep(1.0)
+        replica_engine_process(engine).kill()
+        with pytest.raises(Exception):  # noqa: B017 - a 500 or a cut connection, as the client sees a dead replica
+            in_flight.result()
+    deadline, answer = time.time() + 300, None
+    while time.time() < deadline and answer is None:
+        try:
+            answer = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, timeout=60)
+        except Exception:  # noqa: BLE001 - the replica is being replaced
+            time.sleep(3)
+    assert answer is not None, "no answer within 300 s of the engine's death"
+    assert answer.choices[0].message.content == plain_greedy(embedded["model"], adapters["demo"])

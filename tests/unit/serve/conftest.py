@@ -1,5 +1,6 @@
-"""One in-process chat server on the embedded model (base + two random adapters): the real FastAPI app,
-engine and PEFT model, driven over HTTP by the OpenAI client through Starlette's test transport."""
+"""One in-process chat server on the embedded model (base + two random adapters) for each engine (this project's,
+and vLLM's where it is installed): the real FastAPI app, engine and PEFT model, driven over HTTP by the OpenAI client
+through Starlette's test transport. The API tests run against each."""
 
 from __future__ import annotations
 
@@ -9,18 +10,40 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from app.serve.engines import vllm_installed
+
 KEY = "test-key-0123456789"
+ENGINES = ["transformers", *(["vllm"] if vllm_installed() else [])]
+
+
+def serving(adapters: dict[str, str], engine: str, max_new_tokens: int = 12, **limits):
+    """(Served, tokenizer): the adapters and their base behind `engine`, in fp32 on the CPU."""
+    import torch
+    from transformers import AutoConfig
+
+    from app.serve.api import Served, context_length, vocabulary_size
+    from app.serve.engines import Choice
+    from app.serve.models import load_tokenizer, served_files
+    from app.serve.server import start_engines
+
+    files = served_files(adapters)
+    tokenizer, config = load_tokenizer(files), AutoConfig.from_pretrained(files.base)
+    engines = start_engines(Choice(engine, engine, "test"), files, tokenizer, config, limits.get("max_rows", 16), 0.5,
+                            torch.device("cpu"), dtype="float32", eager=True)
+    return Served(engines, "base", list(adapters), context_length(config, tokenizer), vocabulary_size(config),
+                  max_new_tokens), tokenizer
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def served(request, adapters):
+    served = serving(adapters, request.param)
+    yield served
+    served[0].engines.close()
 
 
 @pytest.fixture(scope="session")
-def served(adapters):
-    from app.serve.api import Served, context_length
-    from app.serve.engine import Engine
-    from app.serve.models import load
-
-    model, tokenizer = load(adapters)
-    context = context_length(model, tokenizer)
-    return Served(Engine(model, tokenizer, context=context), "base", list(adapters), context, 12), tokenizer
+def engine_name(served) -> str:
+    return served[0].engines.choice.base
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +62,11 @@ def client(http):
     from openai import OpenAI
 
     return OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0)
+
+
+def steps(served) -> int:
+    """What the engine behind the base has done so far (its steps, or vLLM's finished requests)."""
+    return served[0].engines.base.steps
 
 
 @pytest.fixture

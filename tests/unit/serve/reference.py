@@ -9,11 +9,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 QUESTION = [{"role": "user", "content": "Write 347 in words."}]
 
 
-def random_adapter(base, folder, seed: int):
+def random_adapter(base, folder, seed: int, r: int = 8):
     """A LoRA adapter with random (non-zero) weights: it changes what the base answers."""
     torch.manual_seed(seed)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=8, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
+                           LoraConfig(r=r, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
     model.save_pretrained(folder)
     return folder
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.unit.serve.conftest import KEY
+from tests.unit.serve.conftest import KEY, steps
 from tests.unit.serve.reference import QUESTION
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -26,11 +26,11 @@ def test_a_request_without_the_key_gets_401(http, headers):
 
 
 def test_the_openai_client_with_a_wrong_key_is_refused(http, served):
-    before = served[0].engine.batches
+    before = steps(served)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http,
                       max_retries=0).chat.completions.create(model="base", messages=QUESTION)
-    assert served[0].engine.batches == before
+    assert steps(served) == before
 
 
 TOO_LONG = [{"role": "user", "content": "seven " * 300}]
@@ -59,13 +59,13 @@ TOO_LONG = [{"role": "user", "content": "seven " * 300}]
     ({"tools": []}, "tools"),  # anything not supported is refused by name
 ])
 def test_a_bad_field_gets_400_naming_it_before_any_generation(http, served, change, param):
-    before = served[0].engine.batches
+    before = steps(served)
     response = _post(http, {"model": "base", "messages": QUESTION, **change})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"].startswith(param) and "\n" not in error["message"]
-    assert served[0].engine.batches == before
+    assert steps(served) == before
 
 
 def test_a_body_over_the_limit_gets_413_and_an_unknown_model_404(http):

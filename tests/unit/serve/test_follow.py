@@ -14,14 +14,14 @@ import mlflow
 import pytest
 from fastapi.testclient import TestClient
 
-from app.serve import engine as engine_module
-from app.serve.api import Served, build_api, context_length
-from app.serve.engine import Engine
+from app.engine import engine as engine_module
+from app.serve import vllm_engine
+from app.serve.api import build_api
 from app.serve.follow import AliasFollower
-from app.serve.models import load
 from app.tracking.adapters import adapter_folder, base_of, pinned
 from tests.helpers import register_adapter
-from tests.unit.serve.reference import QUESTION, plain_greedy, plain_logprobs
+from tests.unit.serve.conftest import ENGINES, serving
+from tests.unit.serve.reference import QUESTION, plain_greedy, plain_logprobs, random_adapter
 
 NAME = "speller-reg"
 
@@ -36,6 +36,7 @@ def registry(embedded, adapters, tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setattr(engine_module, "RETIRE_AFTER_S", 0.2)
+    monkeypatch.setattr(vllm_engine, "RETIRE_AFTER_S", 0.2)
     versions = {name: _register(embedded, adapters[name], tmp_path / name, uri) for name in ("noisy", "other")}
     client = mlflow.tracking.MlflowClient(uri)
     client.set_registered_model_alias(NAME, "champion", versions["noisy"])
@@ -43,23 +44,42 @@ def registry(embedded, adapters, tmp_path, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-def _serve(alias: str):
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def started():
+    """The servers a test starts, stopped after it (vLLM's engine core is a process)."""
+    servers = []
+    yield servers
+    for served in servers:
+        served.engines.close()
+
+
+def _serve(alias: str, engine: str, started: list):
     source = pinned(alias)
-    model, tokenizer = load({"speller": source})
-    context = context_length(model, tokenizer)
-    served = Served(Engine(model, tokenizer, context=context), "base", ["speller"], context, 12,
-                    labels={"speller": source})
+    served, tokenizer = serving({"speller": source}, engine)
+    started.append(served)
+    served.labels["speller"] = source
     served.reload = AliasFollower(served, {"speller": alias}, base_of(adapter_folder(source), source), 0).check
-    return served, TestClient(build_api(served, tokenizer), base_url="http://testserver/v1")
+    return served, tokenizer, TestClient(build_api(served, tokenizer), base_url="http://testserver/v1")
 
 
-def test_requests_through_a_promotion_are_answered_whole_by_one_version_or_the_other(registry, embedded, adapters):
+def loaded_adapters(served) -> set[str]:
+    engine = served.engines.adapters
+    return set(engine.model.peft_config) if engine.name == "transformers" else set(engine.loras)
+
+
+def test_requests_through_a_promotion_are_answered_whole_by_one_version_or_the_other(registry, embedded, adapters,
+                                                                                    engine, started):
     """Half the clients score a prompt (its log-probabilities tell the version exactly, whatever the batch), half
     generate (greedy text of random adapters can flip on near ties between batch shapes: only the status and
     version are checked there)."""
     client, versions = registry
-    served, http = _serve(f"models:/{NAME}@champion")
-    ids = served.engine.tokenizer("Write 347 in words.")["input_ids"]
+    served, tokenizer, http = _serve(f"models:/{NAME}@champion", engine, started)
+    ids = tokenizer("Write 347 in words.")["input_ids"]
     expected = {f"models:/{NAME}/{versions[name]}": plain_logprobs(embedded["model"], adapters[name], ids)
                 for name in ("noisy", "other")}
     assert max(abs(a - b) for a, b in zip(*expected.values())) > 0.1  # the two versions score it apart
@@ -67,6 +87,7 @@ def test_requests_through_a_promotion_are_answered_whole_by_one_version_or_the_o
 
     def ask(scoring: bool):
         while not stop.is_set():
+            sent = time.monotonic()
             if scoring:
                 response = http.post("/completions", json={"model": "speller", "prompt": ids, "max_tokens": 0,
                                                            "echo": True, "logprobs": 0})
@@ -75,32 +96,35 @@ def test_requests_through_a_promotion_are_answered_whole_by_one_version_or_the_o
                 response = http.post("/chat/completions", json={"model": "speller", "messages": QUESTION,
                                                                 "max_tokens": 12})
                 scored = None
-            answers.append((response.status_code, response.json().get("system_fingerprint"), scored))
+            answers.append((response.status_code, response.json().get("system_fingerprint"), scored, sent))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         clients = [pool.submit(ask, i % 2 == 0) for i in range(4)]
         time.sleep(1.0)
         client.set_registered_model_alias(NAME, "champion", versions["other"])
-        reloaded = http.post("/admin/reload").json()
-        time.sleep(1.0)
+        reloaded, switched = http.post("/admin/reload").json(), time.monotonic()
+        new, deadline = f"models:/{NAME}/{versions['other']}", time.monotonic() + 60
+        while time.monotonic() < deadline and {scored is None for _, version, scored, _ in answers if version == new} \
+                != {True, False}:  # the new version has answered a generation and a scoring (or a minute passed)
+            time.sleep(0.2)
         stop.set()
         for done in clients:
             done.result()
     assert reloaded == {"adapters": {"speller": f"models:/{NAME}/{versions['other']}"}}
-    assert all(status == 200 for status, _, _ in answers), answers
-    scores = [(version, scored) for _, version, scored in answers if scored is not None]
+    assert all(status == 200 for status, _, _, _ in answers), [a for a in answers if a[0] != 200]
+    scores = [(version, scored) for _, version, scored, _ in answers if scored is not None]
     assert all(scored == pytest.approx(expected[version], abs=1e-3) for version, scored in scores), scores
-    assert {version for version, _ in scores} == set(expected) == {version for _, version, _ in answers}
-    assert answers[-1][1] == f"models:/{NAME}/{versions['other']}"
+    assert {version for version, _ in scores} == set(expected) == {version for _, version, _, _ in answers}
+    assert {version for _, version, _, sent in answers if sent > switched} == {new}  # asked after it: the new one
     time.sleep(0.3)
     http.post("/chat/completions", json={"model": "speller", "messages": QUESTION, "max_tokens": 1})  # a loop turn
-    assert set(served.engine.model.peft_config) == {served.routes["speller"]}  # the old adapter is gone
+    assert loaded_adapters(served) == {served.routes["speller"]}  # the old adapter is gone
 
 
 def test_a_version_on_another_base_is_refused_and_the_old_one_serves_on(registry, embedded, adapters, tmp_path,
-                                                                       altered_base):
+                                                                       altered_base, engine, started):
     client, versions = registry
-    served, http = _serve(f"models:/{NAME}@champion")
+    served, _, http = _serve(f"models:/{NAME}@champion", engine, started)
     stray = _register(embedded, adapters["other"], tmp_path / "stray", client.tracking_uri,
                       f"model.path={altered_base}")
     client.set_registered_model_alias(NAME, "champion", stray)
@@ -109,3 +133,22 @@ def test_a_version_on_another_base_is_refused_and_the_old_one_serves_on(registry
     answer = http.post("/chat/completions", json={"model": "speller", "messages": QUESTION, "max_tokens": 12}).json()
     assert answer["system_fingerprint"] == f"models:/{NAME}/{versions['noisy']}"
     assert answer["choices"][0]["message"]["content"] == plain_greedy(embedded["model"], adapters["noisy"])
+
+
+def test_a_version_of_a_higher_rank_is_served_here_and_refused_by_vllm_in_one_line(registry, embedded, tmp_path,
+                                                                                  engine, started):
+    """vLLM sizes its LoRA buffers for the ranks it was started with: a wider version is refused on reload (the
+    route's 502 says why), never a failed request; this project's engine loads any rank."""
+    client, versions = registry
+    served, _, http = _serve(f"models:/{NAME}@champion", engine, started)
+    wide = random_adapter(embedded["model"], tmp_path / "wide", seed=5, r=32)
+    version = _register(embedded, str(wide), tmp_path / "wide-run", client.tracking_uri)
+    client.set_registered_model_alias(NAME, "champion", version)
+    reply = http.post("/admin/reload")
+    answer = http.post("/chat/completions", json={"model": "speller", "messages": QUESTION, "max_tokens": 4})
+    assert answer.status_code == 200
+    if engine == "vllm":
+        assert reply.status_code == 502 and "LoRA rank 32 is above the 8" in reply.json()["error"]["message"]
+        assert answer.json()["system_fingerprint"] == f"models:/{NAME}/{versions['noisy']}"
+    else:
+        assert reply.status_code == 200 and answer.json()["system_fingerprint"] == f"models:/{NAME}/{version}"

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.data.formatting import tokenize_rows
+from app.engine.text import held_back
 from app.serve.api import Served, build_api, key_digest
-from app.serve.engine import _held_back
 from app.serve.protocol import MAX_STOP_CHARS
-from tests.unit.serve.conftest import KEY
+from tests.unit.serve.conftest import KEY, steps
 from tests.unit.serve.reference import QUESTION
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -30,12 +30,12 @@ def _refused(response, param: str) -> None:
 
 
 def test_a_stop_longer_than_the_cap_is_refused_before_generating(http, served):
-    before = served[0].engine.batches
+    before = steps(served)
     response = http.post("/chat/completions", headers=AUTH, json={
         "model": "base", "messages": QUESTION, "stop": ["x" * (MAX_STOP_CHARS + 1)]})
     _refused(response, "stop")
     assert f"at most {MAX_STOP_CHARS} characters" in response.json()["error"]["message"]
-    assert served[0].engine.batches == before
+    assert steps(served) == before
 
 
 def _held_back_by_brute_force(text: str, stops: list[str]) -> int:
@@ -47,7 +47,7 @@ def _held_back_by_brute_force(text: str, stops: list[str]) -> int:
                                                              min_size=1, max_size=4))
 def test_the_held_back_text_is_the_longest_end_that_begins_a_stop(text, stops):
     """The linear matcher keeps exactly what the quadratic one did (the text that may begin a stop)."""
-    assert _held_back(text, stops) == _held_back_by_brute_force(text, stops)
+    assert held_back(text, tuple(stops)) == _held_back_by_brute_force(text, stops)
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
@@ -79,7 +79,8 @@ def test_a_role_the_models_template_refuses_is_a_400(served):
     """Gemma's template refuses a system turn, Mistral's non-alternating turns: the request's fault, said so."""
     tokenizer = copy.deepcopy(served[1])
     tokenizer.chat_template = NO_SYSTEM
-    app = build_api(Served(served[0].engine, "base", [], served[0].context, 4), tokenizer, key_digest(KEY))
+    app = build_api(Served(served[0].engines, "base", [], served[0].context, served[0].vocabulary, 4), tokenizer,
+                    key_digest(KEY))
     with TestClient(app, base_url="http://testserver/v1") as http:
         response = http.post("/chat/completions", headers=AUTH, json={
             "model": "base", "messages": [{"role": "system", "content": "Be brief."}, *QUESTION]})

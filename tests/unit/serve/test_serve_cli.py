@@ -25,7 +25,8 @@ def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--host", "10.1.2.3"], "--host 10.1.2.3: serving beyond loopback needs an API key"),
     (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key: No such file"),
     (["--max-batch-size", "0"], "--max-batch-size 0: must be positive"),
-    (["--max-ongoing-requests", "4"], "--max-ongoing-requests 4: fewer than --max-batch-size 8"),
+    (["--max-ongoing-requests", "4"], "--max-ongoing-requests 4: fewer than --max-batch-size 64"),
+    (["--engine", "tgi"], "python -m jobs.serve: argument --engine: invalid choice: 'tgi'"),
     (["--request-timeout-s", "-1"], "--request-timeout-s -1.0: must be positive"),
     (["--metrics-port", "70000"], "--metrics-port 70000: a port number (0: a free one)"),
 ])
@@ -85,3 +86,28 @@ def test_a_deploy_the_running_proxy_would_not_honour_is_refused(running, argv, s
     assert says in str(error.value) and "\n" not in str(error.value)
     check_running_proxy(("0.0.0.0", 8000), parse_args(["--adapter", "a=x", "--host", "0.0.0.0"]), key="k")  # the same
     check_running_proxy(None, parse_args(["--adapter", "a=x"]), key=None)  # none runs: serve.start binds ours
+
+
+def test_vllm_asked_for_where_it_is_missing_or_cannot_run_the_model_is_one_line(embedded, tmp_path, monkeypatch):
+    """Before Ray starts: the flag named and what to do; auto picks this project's engine on a CPU instead."""
+    import shutil
+
+    import jobs.serve as serve_cli
+    from app.serve.engines import vllm_installed
+
+    args = serve_cli.parse_args(["--adapter", f"a={embedded['model']}", "--engine", "vllm"])
+    monkeypatch.setattr(serve_cli, "vllm_installed", lambda: False)
+    monkeypatch.setattr("app.serve.engines.vllm_installed", lambda: False)
+    with pytest.raises(UserInputError, match=r"^--engine vllm: vLLM is not installed \(pip install '\.\[vllm\]'.*; or "
+                                             r"serve with --engine transformers$"):
+        serve_cli.engine_choice(args, {})
+    auto = serve_cli.engine_choice(serve_cli.parse_args(["--adapter", "a=b"]), {})
+    assert (auto.base, auto.adapters) == ("transformers", "transformers") and "not installed" in auto.reason
+    monkeypatch.undo()
+    if not vllm_installed():
+        return
+    odd = shutil.copytree(embedded["model"], tmp_path / "odd")
+    (odd / "config.json").write_text((odd / "config.json").read_text().replace("LlamaForCausalLM", "NoSuchForCausalLM"))
+    args = serve_cli.parse_args(["--adapter", "a=b", "--engine", "vllm", "--base", str(odd)])
+    with pytest.raises(UserInputError, match="^--engine vllm: vLLM does not run NoSuchForCausalLM; or serve with"):
+        serve_cli.engine_choice(args, {})

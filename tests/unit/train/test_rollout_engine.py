@@ -52,12 +52,12 @@ def _in_threads(engine, calls):
 
 
 class WidestBatch:
-    """The most rows the engine's batch decoded at once; its first adapter load waits until all `calls` requests
-    have arrived (so that the later ones find the first decoding, whatever order the threads run in)."""
+    """The most rows the engine decoded at once; its first adapter load waits until all `calls` requests have
+    arrived (so that the later ones find the first decoding, whatever order the threads run in)."""
 
     def __init__(self, engine, calls: int):
-        self.rows, self.arrived, admit, load, notify = 0, 0, engine.batch.admit, engine.sampler.load_adapter, \
-            engine.changed.notify
+        self.rows, self.arrived = 0, 0
+        admit, load, notify = engine.core.admit, engine.sampler.load_adapter, engine.changed.notify
 
         def counting_notify():  # called once per request, as it arrives
             self.arrived += 1
@@ -68,10 +68,10 @@ class WidestBatch:
                 time.sleep(0.01)
             load(*args)
 
-        def counting_admit(answers):
-            admit(answers)
-            self.rows = max(self.rows, len(engine.batch) + sum(a.done for a in answers))
-        engine.changed.notify, engine.sampler.load_adapter, engine.batch.admit = counting_notify, waiting_load, \
+        def counting_admit():
+            admit()
+            self.rows = max(self.rows, len(engine.core.rows))
+        engine.changed.notify, engine.sampler.load_adapter, engine.core.admit = counting_notify, waiting_load, \
             counting_admit
 
 
@@ -106,13 +106,15 @@ def test_an_adapter_that_arrived_changed_is_refused_to_its_caller_and_the_engine
 
 
 def test_a_model_left_to_generate_is_served_one_request_at_a_time_with_the_adapter_asked(cfg):
-    """transformers' generate path (a model with sliding windows; forced here on the embedded model)."""
-    engine = RolloutEngine(build_sampler(cfg), cfg.grpo)
-    engine.sampler.continuous = False
+    """transformers' generate path (a model whose attention does not go through transformers' AttentionInterface;
+    forced here on the embedded model)."""
+    sampler = build_sampler(cfg)
+    sampler.core = None
+    engine = RolloutEngine(sampler, cfg.grpo)
     one, two = _adapter(engine.sampler, 0.05), _adapter(engine.sampler, 0.08)
     results = _in_threads(engine, [(PROMPTS, 3, 0, 1, one), (PROMPTS, 3, 0, 2, two)])
     reference = build_sampler(cfg)
-    reference.continuous = False
+    reference.core = None
     for sampled, adapter, version in zip(results, (one, two), (1, 2)):
         reference.load_adapter(adapter, version, adapter_checksum(adapter))
         assert (sampled.version, sampled.checksum) == (version, adapter_checksum(adapter))

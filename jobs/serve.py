@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="what the model computes in (auto: bfloat16 where the hardware has it natively, else "
                         "float32)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM without compiling its model or capturing "
+                        "CUDA graphs: a faster start (half a minute less here), slower steps")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences a replica decodes at once")
     parser.add_argument("--max-ongoing-requests", type=int, default=64, help="requests a replica takes at once")
     parser.add_argument("--max-queued-requests", type=int, default=128, help="requests queued beyond those (503)")
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = args.output_dir if "://" in args.output_dir else os.path.abspath(args.output_dir)
     app = deployment.bind(adapters, choice, args.base, args.base_name, output_dir, args.max_new_tokens,
                           key and key_digest(key), args.max_batch_size, args.max_body_bytes, args.follow_interval_s,
-                          cpus, args.kv_cache_gb, args.dtype)
+                          cpus, args.kv_cache_gb, args.dtype, args.vllm_eager)
     print(f"engines: {describe(choice)} ({choice.reason})", flush=True)
     serve.run(app, name=args.name, route_prefix="/")
     print(f"serving {', '.join([args.base_name, *adapters])} at http://{args.host}:{args.port}/v1", flush=True)

@@ -63,7 +63,7 @@ class ChatCompletions:
     def __init__(self, adapters: dict[str, str], choice: Choice, base: str | None = None, base_name: str = "base",
                  output_dir: str = "outputs", max_new_tokens: int = 64, key_sha256: str | None = None,
                  max_rows: int = 64, max_body_bytes: int = 1 << 20, follow_interval_s: float = 30.0,
-                 threads: int | None = None, cache_gb: float = 4.0, dtype: str = "auto"):
+                 threads: int | None = None, cache_gb: float = 4.0, dtype: str = "auto", eager: bool = False):
         if threads:
             torch.set_num_threads(threads)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,7 +73,7 @@ class ChatCompletions:
         config = AutoConfig.from_pretrained(files.base, revision=files.revision)
         context = context_length(config, self.tokenizer)
         engines = start_engines(choice, files, self.tokenizer, config, max_rows, cache_gb, device, threads,
-                                dtype)
+                                dtype, eager)
         self.served = Served(engines, base_name, list(adapters), context, vocabulary_size(config), max_new_tokens,
                              labels={name: uri for name, uri in sources.items() if uri.startswith("models:/")})
         followed = {name: source for name, source in adapters.items() if source != sources[name]}

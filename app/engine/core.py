@@ -35,6 +35,10 @@ from app.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+class UnsupportedModel(ValueError):
+    """A model the engine cannot run (its attention does not go through transformers' AttentionInterface)."""
+
+
 @dataclass(eq=False)
 class Row:
     """A running sequence's place: its slot, the positions its cache holds, the tokens it feeds next."""
@@ -60,10 +64,13 @@ def use_engine_attention(model: nn.Module) -> None:
     """The model's attention layers through the engine's attention function (app/engine/attention.py); a model
     whose attention does not go through transformers' AttentionInterface is refused."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.set_attn_implementation(NAME)
+    message = f"{type(base).__name__}'s attention does not go through transformers' AttentionInterface"
+    try:
+        base.set_attn_implementation(NAME)
+    except ValueError as e:  # transformers refuses the interface for this model
+        raise UnsupportedModel(f"{message}: {e}") from None
     if base.config._attn_implementation != NAME:
-        raise ValueError(f"{type(base).__name__}'s attention does not go through transformers' AttentionInterface: "
-                         "the engine cannot run it")
+        raise UnsupportedModel(f"{message}: the engine cannot run it")
 
 
 def bytes_per_position(config) -> int | None:

@@ -39,10 +39,15 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
 
     @property
+    def scored(self) -> bool:
+        """Whether the prompt's log-probabilities are asked for (`echo` with `logprobs`)."""
+        return self.echo and self.logprobs is not None
+
+    @property
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               logprobs=self.logprobs,
-                              prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+                              prompt_logprobs=self.logprobs if self.scored else None,
                               stops=tuple(self.stops))
 
     def emit(self, *event) -> None:

@@ -153,18 +153,17 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        scored = job.echo and job.logprobs is not None
         return SamplingParams(
             max_tokens=max(job.max_tokens, 1), temperature=job.temperature, top_p=job.top_p, seed=job.seed,
             stop=job.stops or None, stop_token_ids=self.end_ids, logprobs=job.logprobs,
-            prompt_logprobs=job.logprobs if scored else None, output_kind=RequestOutputKind.DELTA,
+            prompt_logprobs=job.logprobs if job.scored else None, output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=True)
 
     def alone(self, job: Job) -> bool:
         """With LoRA enabled, a prompt scored (echo with logprobs) beside any other request in one of vLLM's steps
         crashes its engine core (the prompt's log-probabilities take the sampler's LoRA mapping: vLLM issues 16668,
         29955): such a request runs alone."""
-        return self.llm.vllm_config.lora_config is not None and job.echo and job.logprobs is not None
+        return self.llm.vllm_config.lora_config is not None and job.scored
 
     async def run(self, job: Job, lora) -> None:
         try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from app.data.chat import pad_id
-from app.engine.core import EngineCore
+from app.engine.core import EngineCore, UnsupportedModel
 from app.engine.sampling import SamplingParams
 from app.engine.sequence import Sequence, end_token_ids
 from app.model.adapter import load_adapter_weights
@@ -94,7 +94,7 @@ def engine_core(model: nn.Module, end_ids: list[int]) -> EngineCore | None:
     AttentionInterface (transformers' `generate` decodes those)."""
     try:
         return EngineCore(model, end_ids, max_step_tokens=PROMPT_TOKENS_PER_STEP)
-    except ValueError:
+    except UnsupportedModel:
         return None
 
 

@@ -13,6 +13,7 @@ temperature, as the loss takes them), which the trainer's own log-probabilities 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,7 +95,9 @@ def engine_core(model: nn.Module, end_ids: list[int]) -> EngineCore | None:
     AttentionInterface (transformers' `generate` decodes those)."""
     try:
         return EngineCore(model, end_ids, max_step_tokens=PROMPT_TOKENS_PER_STEP)
-    except UnsupportedModel:
+    except UnsupportedModel as e:
+        logging.getLogger(__name__).warning("rollouts decode with transformers' generate, one request at a time: %s",
+                                            e)
         return None
 
 

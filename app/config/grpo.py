@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from app.config.sections import Section
+from app.config.sections import LoraSection, ModelSection, Section
 
 # a reward function: `path/to/file.py:function` (a file, absolute or relative to the job's working directory)
 # or `package.module:function` (a module on the path)
@@ -73,6 +73,11 @@ class GrpoSection(Section):
                                            "every rank's requests of the same adapter (continuous batching: an "
                                            "answer that ends frees its row for the next waiting one); None: every "
                                            "answer it has been asked for")
+    rollout_policy: Literal["auto", "merged", "lora"] = Field(
+        "auto", description="how the policy reaches a rollout actor's engine: merged, the adapter merged into the "
+        "actor's copy of the base at each sync (its steps run the base's products alone; the adapted base weights "
+        "kept once more in host memory); lora, the adapter applied beside the base at every step; auto: merged "
+        "unless the adapter cannot merge (DoRA, LoRA on embeddings, an nf4 base)")
     rollout_cpus: float = Field(1.0, ge=0.0, description="logical CPUs Ray reserves for each rollout actor")
     rollout_gpus: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
         "auto", description="GPUs of each rollout actor; auto: 1 with scaling.use_gpu (a GPU of its own), else 0")
@@ -107,3 +112,28 @@ class GrpoSection(Section):
     @property
     def weights(self) -> list[float]:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
+
+
+def unmergeable_lora(model: ModelSection, lora: LoraSection) -> str | None:
+    """Why the LoRA adapter of `lora` cannot be merged into a base `model` loads, or None."""
+    if lora.use_dora:
+        return "lora.use_dora=true (DoRA's magnitudes scale every step's output)"
+    if model.quantization == "nf4":
+        return "model.quantization=nf4 (a 4-bit base has no room for the adapter's product)"
+    if isinstance(lora.target_modules, list) and any("embed" in name for name in lora.target_modules):
+        return "lora.target_modules names an embedding (its LoRA is looked up, not multiplied)"
+    return None
+
+
+MERGED_WHY = ("merged (the adapter merged into each actor's copy of the base at every sync: its steps run the base's "
+              "products alone; 1.25x LoRA's answers/s beside the base on 1 and 2 CPU cores: benchmarks/rollouts.py)")
+
+
+def rollout_policy_of(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> tuple[str, str]:
+    """grpo.rollout_policy as a run takes it, and why where it was `auto`: merged where the adapter can merge, else
+    LoRA beside the base."""
+    if grpo.rollout_policy != "auto":
+        return grpo.rollout_policy, ""
+    why = unmergeable_lora(model, lora)
+    return ("lora", f"lora (the adapter beside the base at every step: {why} cannot merge)") if why else \
+        ("merged", MERGED_WHY)

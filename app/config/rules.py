@@ -15,7 +15,7 @@ from app.config.adapters import (
     adapters_train_what_one_job_can,
     one_job_sweeps_have_adapters,
 )
-from app.config.grpo import GrpoSection
+from app.config.grpo import GrpoSection, unmergeable_lora
 from app.config.objectives import objective_of, reading
 from app.config.sections import (
     RUN_NAME,
@@ -174,6 +174,13 @@ def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str |
     return None
 
 
+def merged_policy_can_merge(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> str | None:
+    why = unmergeable_lora(model, lora) if grpo.rollout_policy == "merged" else None
+    if why:
+        return f"grpo.rollout_policy=merged with {why}: the adapter cannot be merged; set grpo.rollout_policy: lora"
+    return None
+
+
 def mesh_covers_the_workers(scaling: ScalingSection) -> str | None:
     mesh = scaling.mesh
     if not isinstance(mesh, list):  # None, replicate and auto fit any worker count, an elastic group's too
@@ -191,6 +198,6 @@ RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, o
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
          data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
          elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
-         staleness_is_counted_in_steps,
+         staleness_is_counted_in_steps, merged_policy_can_merge,
          tune_ranks_by_a_reported_figure, adapters_are_named_once, adapters_train_what_one_job_can,
          one_job_sweeps_have_adapters, adapters_share_what_they_can, adapter_data_is_whole)

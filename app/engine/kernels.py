@@ -6,7 +6,8 @@ PyTorch's plain bf16 linear reorders the weight on every call, and the reordered
 (1 and 32 rows, SmolLM2's shapes, a 2-core Xeon); in fp32 it was slower for one row. So the choice is measured on
 the machine at hand, on the model's own largest decoder shape, never assumed. Only frozen base weights are
 reordered (each keeps its weight: PEFT and the base view still read it); the adapters' small LoRA products run as
-they are, their weights changing with every sync.
+they are, their weights changing with every sync. A base weight that changes (an adapter merged into it for
+sampling: app/engine/merging.py) is reordered again by `repack`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,28 @@ def reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def packed_forward(layer: nn.Linear, packed: torch.Tensor):
+class Packed:
+    """A layer's reordered weight, shared by every copy of the layer's forward (the router's base view copies the
+    layer): replacing `weight` here reaches them all."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = reorder(weight)
+
+
+def packed_forward(layer: nn.Linear, packed: Packed):
     bias = None if layer.bias is None else layer.bias.detach()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
+    forward.packed = packed
     return forward
+
+
+def repack(layer: nn.Linear) -> None:
+    """The layer's reordered weight made again from its weight, which changed (nothing where it is not reordered)."""
+    packed = getattr(layer.__dict__.get("forward"), "packed", None)
+    if packed is not None:
+        packed.weight = reorder(layer.weight)
 
 
 def seconds(run, repeats: int = 15) -> float:
@@ -74,5 +91,5 @@ def reorder_linears(model: nn.Module) -> bool:
     if not decoder or not reordering_pays(max(decoder, key=lambda m: m.weight.numel())):
         return False
     for layer in layers:
-        layer.forward = packed_forward(layer, reorder(layer.weight))
+        layer.forward = packed_forward(layer, Packed(layer.weight))
     return True

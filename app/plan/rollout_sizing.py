@@ -1,5 +1,5 @@
 """GRPO's rollout actors sized against the trainers (grpo.rollout_workers and grpo.rollout_gpus where `auto`),
-decided by the driver once it knows the cluster.
+decided by the driver once it knows the cluster, and how the policy reaches them (grpo.rollout_policy).
 
 Beside CPU workers: one actor on CPUs. It shares the cores with the trainers, and a CPU decodes a batch about as
 fast per answer at 32 rows as at 64 (docs/methods.md): a second actor would take from the trainers the
@@ -11,6 +11,7 @@ reason, the trainers beside the actors (`plan: grpo.rollout_workers=...`).
 
 from __future__ import annotations
 
+from app.config.grpo import rollout_policy_of
 from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
@@ -42,8 +43,8 @@ def rollout_workers_for(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[int, 
 
 
 def rollout_decisions(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[Decision, ...]:
-    """grpo.rollout_workers and grpo.rollout_gpus decided (with no reason to print for a run that samples
-    nothing online)."""
+    """grpo.rollout_workers, grpo.rollout_gpus and grpo.rollout_policy decided (with no reason to print for a run
+    that samples nothing online)."""
     online = objective_of(cfg.train).samples_online
     count, why = rollout_workers_for(cfg, cluster_gpus) if online else (1, "")
     decisions = []
@@ -51,4 +52,7 @@ def rollout_decisions(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[Decisio
         decisions.append(Decision("grpo.rollout_workers", count, why if online else ""))
     if cfg.grpo.rollout_gpus == "auto":
         decisions.append(Decision("grpo.rollout_gpus", rollout_gpus_each(cfg)))
+    if cfg.grpo.rollout_policy == "auto":
+        policy, why = rollout_policy_of(cfg.model, cfg.lora, cfg.grpo)
+        decisions.append(Decision("grpo.rollout_policy", policy, why if online else ""))
     return tuple(decisions)

@@ -67,7 +67,7 @@ class RolloutEngine:
             with self.serial:
                 self.hold(version, checksum, weights)
                 return Sampled(self.sampler.sample(prompts, self.grpo, seed, first), version, checksum)
-        answers = seeded_answers(prompts, self.grpo, seed, first)
+        answers = seeded_answers(prompts, self.grpo, seed, first, self.sampler.adapter)
         with self.changed:
             if self.broken is not None:
                 raise RuntimeError(f"the rollout engine stopped: {self.broken!r}")

@@ -3,6 +3,10 @@ each optimizer step (only its weights travel: app/train/rollouts.py), decoded by
 continuous batching, a prompt that answers share computed once; sliding windows and soft-capped logits as the model
 has them), or by transformers' batched `generate` for a model whose attention the engine cannot run.
 
+The policy reaches the engine one of two ways (grpo.rollout_policy, decided by the plan): `merged`, the adapter
+merged into the sampler's own copy of the base at every sync (app/engine/merging.py: each step runs the base's
+products alone), or `lora`, the adapter applied beside the base at every step (PEFT's layers).
+
 A `Sampler` is what a rollout actor's engine holds (app/train/rollout_engine.py), and what the unit tests drive
 in the trainer's own process. Each call is seeded by its caller and each answer by its place in the call, so a
 resumed run samples the very answers an uninterrupted run would, however the answers are batched. With each
@@ -16,13 +20,15 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
+from app.config.grpo import GrpoSection, rollout_policy_of
 from app.data.chat import pad_id
 from app.engine.core import EngineCore, UnsupportedModel
+from app.engine.merging import MergedAdapter
 from app.engine.sampling import SamplingParams
 from app.engine.sequence import Sequence, end_token_ids
 from app.model.adapter import load_adapter_weights
@@ -30,7 +36,6 @@ from app.model.base import load_tokenizer
 from app.model.build import build_lora_model
 
 if TYPE_CHECKING:
-    from app.config.grpo import GrpoSection
     from app.config.schema import FinetuneConfig
 
 POLICY = "default"  # the PEFT adapter the policy's weights are loaded into
@@ -72,12 +77,13 @@ def drawing(grpo: GrpoSection) -> SamplingParams:
                           top_k=grpo.top_k, logprobs=0, logprobs_of="sampled")
 
 
-def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int) -> list[Sequence]:
+def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int,
+                   adapter: str | None = POLICY) -> list[Sequence]:
     """grpo.num_generations answers to each prompt (those of a prompt consecutive), the i-th seeded by its place
-    `first + i` in the request."""
+    `first + i` in the request, decoded through `adapter` (None: the base, the policy merged into it)."""
     rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
     params = drawing(grpo)
-    return [Sequence(row, params, POLICY, seed=answer_seed(seed, first + i)) for i, row in enumerate(rows)]
+    return [Sequence(row, params, adapter, seed=answer_seed(seed, first + i)) for i, row in enumerate(rows)]
 
 
 def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
@@ -102,7 +108,8 @@ def engine_core(model: nn.Module, end_ids: list[int]) -> EngineCore | None:
 
 
 class Sampler:
-    def __init__(self, model: nn.Module, end_ids: list[int], pad_id: int, device: torch.device | str = "cpu"):
+    def __init__(self, model: nn.Module, end_ids: list[int], pad_id: int, device: torch.device | str = "cpu",
+                 policy: Literal["merged", "lora"] = "lora"):
         self.model, self.end_ids, self.pad_id, self.device = model.eval(), list(end_ids), pad_id, torch.device(device)
         self.names = {name for name, param in model.named_parameters() if param.requires_grad}
         for param in model.parameters():
@@ -110,6 +117,11 @@ class Sampler:
         self.version, self.checksum = -1, ""  # the optimizer step whose adapter it holds (-1: the starting one)
         self.idle_since = time.perf_counter()  # when its last request was answered
         self.core = engine_core(model, end_ids)
+        # generate (no engine) runs PEFT's forward, which would add the adapter to a base it is merged into
+        self.merged = MergedAdapter(model, POLICY) if policy == "merged" and self.core is not None else None
+        self.adapter = None if self.merged is not None else POLICY  # what the answers name: the base holds it
+        if self.merged is not None:
+            self.merged.merge()
 
     @torch.no_grad()
     def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
@@ -128,6 +140,8 @@ class Sampler:
         parameters = dict(self.model.named_parameters())
         for name, value in weights.items():
             parameters[name].copy_(value.to(parameters[name].dtype))
+        if self.merged is not None:
+            self.merged.merge()
         self.version, self.checksum = version, received  # a load is no request: the idle time runs on
 
     def sample_with(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, version: int) -> Sampled:
@@ -146,7 +160,7 @@ class Sampler:
         if self.core is None:
             return self.generated([p for p in prompts for _ in range(grpo.num_generations)], grpo,
                                   answer_seed(seed, first))
-        answers = seeded_answers(prompts, grpo, seed, first)
+        answers = seeded_answers(prompts, grpo, seed, first, self.adapter)
         self.core.max_rows = grpo.rollout_batch_rows or len(answers)
         for answer in answers:
             self.core.add(answer)
@@ -194,4 +208,5 @@ def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
     if init_adapter is not None:
         load_adapter_weights(model, init_adapter)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
-    return Sampler(model, end_token_ids(model.generation_config, tokenizer), pad_id(tokenizer), device)
+    return Sampler(model, end_token_ids(model.generation_config, tokenizer), pad_id(tokenizer), device,
+                   rollout_policy_of(cfg.model, cfg.lora, cfg.grpo)[0])

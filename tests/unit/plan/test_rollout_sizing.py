@@ -46,3 +46,22 @@ def test_what_the_user_set_is_kept_and_a_run_that_samples_nothing_prints_nothing
         (3, 0.5, "")
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     assert Plan(cfg).decided(*rollout_decisions(cfg, 0)).reasons == {}
+
+
+@pytest.mark.parametrize("overrides, policy, why", [
+    ([], "merged", "merged (the adapter merged into each actor's copy of the base at every sync"),
+    (["lora.use_dora=true"], "lora", "lora (the adapter beside the base at every step: lora.use_dora=true"),
+    (["lora.target_modules=[q_proj,embed_tokens]"], "lora", "lora (the adapter beside the base at every step: "
+                                                           "lora.target_modules names an embedding")])
+def test_the_policy_reaches_the_actors_merged_unless_the_adapter_cannot_merge_and_the_plan_says_why(
+        tmp_path, overrides, policy, why):
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
+    plan = Plan(cfg).decided(*rollout_decisions(cfg, 0))
+    assert plan.cfg.grpo.rollout_policy == policy and plan.reasons["grpo.rollout_policy"].startswith(why)
+
+
+def test_a_merged_policy_asked_of_an_adapter_that_cannot_merge_is_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.rollout_policy=merged with lora.use_dora=true \(DoRA's magnitudes "
+                                         r"scale every step's output\): the adapter cannot be merged; set "
+                                         r"grpo.rollout_policy: lora"):
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "lora.use_dora=true", "grpo.rollout_policy=merged"])

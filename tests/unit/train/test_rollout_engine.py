@@ -105,9 +105,25 @@ def test_an_adapter_that_arrived_changed_is_refused_to_its_caller_and_the_engine
     assert [c.ids for c in sampled.completions] == _alone(cfg, good, 3, PROMPTS, 5)
 
 
+def test_the_policy_merged_into_the_base_samples_what_lora_beside_it_samples(cfg):
+    """grpo.rollout_policy: merged (the plan's choice where the adapter can merge) against lora, adapter after
+    adapter: the same answers and, up to fp32 rounding, the same log-probabilities."""
+    merged, lora = build_sampler(cfg), build_sampler(cfg.with_set({"grpo.rollout_policy": "lora"}))
+    assert (merged.adapter, lora.adapter) == (None, "default") and merged.merged is not None
+    for version, scale in ((1, 0.05), (2, 0.3)):
+        adapter = _adapter(lora, scale)
+        merged.load_adapter(adapter, version, adapter_checksum(adapter))
+        lora.load_adapter(adapter, version, adapter_checksum(adapter))
+        ours, theirs = merged.sample(PROMPTS, cfg.grpo, 11), lora.sample(PROMPTS, cfg.grpo, 11)
+        assert [c.ids for c in ours] == [c.ids for c in theirs]
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-4, rtol=1e-4)
+
+
 def test_a_model_left_to_generate_is_served_one_request_at_a_time_with_the_adapter_asked(cfg):
     """transformers' generate path (a model whose attention does not go through transformers' AttentionInterface;
-    forced here on the embedded model)."""
+    forced here on the embedded model, whose adapter is then applied by PEFT's layers: grpo.rollout_policy=lora)."""
+    cfg = cfg.with_set({"grpo.rollout_policy": "lora"})
     sampler = build_sampler(cfg)
     sampler.core = None
     engine = RolloutEngine(sampler, cfg.grpo)

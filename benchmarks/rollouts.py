@@ -1,0 +1,136 @@
+"""One GRPO step's rollouts, each way to sample side by side: answers/s with the policy's sync included.
+
+    python -m benchmarks.rollouts [--config jobs/configs/smollm2_grpo.yaml] [--cores 1,2] [--steps 3] [--no-vllm]
+
+The config's model, LoRA shape and grpo settings (answers per prompt, answer length, temperature, top-p/top-k), and
+its first train_batch / num_generations prompts from its data (8 reasoning-gym problems x 8 answers for
+smollm2_grpo.yaml). Each way runs in a process of its own, on 1 core and on all of them; each step is a sync of
+fresh LoRA weights (as an optimizer step sends) then the step's answers:
+- `ours lora`: this project's sampler with the adapter beside the base (grpo.rollout_policy=lora);
+- `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout_policy=merged);
+- `vllm lora` (where vLLM is installed): vLLM's LLM with the adapter as a LoRARequest, reloaded in place from the
+  folder it is saved to at each sync (vLLM's CPU route for new weights; saving it is counted);
+- `vllm merged`: vLLM over the base alone, decoding as a merged adapter would; no sync counted, since vLLM on
+  CPUs has no route for new merged weights short of a restart (its engine's `load_weights` needs weight loaders
+  its processed CPU parameters lack), so this is the ceiling of that way, not a way a run can take.
+Prints a JSON line per measurement (the median of --steps after a warm-up step), then one with them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WAYS = ("ours lora", "ours merged", "vllm lora", "vllm merged")
+
+
+def step_prompts(cfg, tokenizer) -> list[list[int]]:
+    from app.data.gym_tasks import parse_spec, task_entries, task_record
+
+    spec = parse_spec(cfg.data.train_path, "data.train_path")
+    count = cfg.train.global_batch_size // cfg.grpo.num_generations
+    records = [task_record(entry, spec.name) for entry in task_entries(spec, "data.train_path")[:count]]
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in records]
+
+
+def fresh_weights(sampler, step: int) -> dict:
+    """LoRA weights as an optimizer step sends them (random, B not zero)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(step)
+    return {name: torch.randn(p.shape, generator=generator) * (0.02 if "lora_B" in name else 0.1)
+            for name, p in sampler.model.named_parameters() if name in sampler.names}
+
+
+def ours(cfg, prompts, steps: int) -> list[float]:
+    from app.train.sampling import adapter_checksum, build_sampler
+
+    sampler = build_sampler(cfg)
+    rates = []
+    for step in range(steps + 1):
+        weights = fresh_weights(sampler, step)
+        started = time.perf_counter()
+        sampler.load_adapter(weights, step, adapter_checksum(weights))
+        answers = sampler.sample(prompts, cfg.grpo, seed=step)
+        rates.append(len(answers) / (time.perf_counter() - started))
+    return rates[1:]
+
+
+def vllm(cfg, prompts, steps: int, lora: bool) -> list[float]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from app.train.sampling import build_sampler
+
+    grpo = cfg.grpo
+    llm = LLM(cfg.model.path, dtype="auto", seed=0, enable_lora=lora, max_lora_rank=max(cfg.lora.r, 8),
+              max_num_seqs=len(prompts) * grpo.num_generations, kv_cache_memory_bytes=2 << 30)
+    sampler = build_sampler(cfg.with_set({"grpo.rollout_policy": "lora"}))
+    params = SamplingParams(n=grpo.num_generations, temperature=grpo.temperature, top_p=grpo.top_p,
+                            top_k=grpo.top_k or -1, max_tokens=grpo.max_completion_tokens, logprobs=0)
+    folder, rates = tempfile.mkdtemp(), []
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        request = None
+        if lora:
+            sampler.load_adapter(fresh_weights(sampler, step), step)
+            sampler.model.save_pretrained(folder)
+            request = LoRARequest("policy", 1, f"{folder}", load_inplace=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=request,
+                               use_tqdm=False)
+        rates.append(sum(len(o.outputs) for o in outputs) / (time.perf_counter() - started))
+    return rates[1:]
+
+
+def measure(way: str, config: str, cores: int, steps: int) -> None:
+    """In this process (started by `main` with the cores set): one way's answers/s, printed as a JSON line."""
+    import torch
+
+    from app.config.loading import load_config
+    from app.model.base import load_tokenizer
+
+    torch.set_num_threads(cores)
+    policy = "merged" if way.endswith("merged") else "lora"
+    cfg = load_config(config, [f"grpo.rollout_policy={policy}"])
+    prompts = step_prompts(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
+    rates = ours(cfg, prompts, steps) if way.startswith("ours") else vllm(cfg, prompts, steps, policy == "lora")
+    print(json.dumps({"way": way, "cores": cores, "answers": len(prompts) * cfg.grpo.num_generations,
+                      "answers_per_second": round(statistics.median(rates), 2)}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rollouts", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="jobs/configs/smollm2_grpo.yaml")
+    p.add_argument("--cores", default=f"1,{os.cpu_count()}")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # one measurement, in a process of its own
+    args = p.parse_args(argv)
+    cores = [int(n) for n in args.cores.split(",")]
+    if args.way:
+        measure(args.way, args.config, cores[0], args.steps)
+        return 0
+    results = []
+    for n in cores:
+        for way in WAYS[:2] if args.no_vllm else WAYS:
+            env = {**os.environ, "OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
+            run = subprocess.run([sys.executable, "-m", "benchmarks.rollouts", "--way", way, "--config", args.config,
+                                  "--cores", str(n), "--steps", str(args.steps)], env=env, capture_output=True,
+                                 text=True)
+            lines = [line for line in run.stdout.splitlines() if line.startswith('{"way"')]
+            results.append(json.loads(lines[-1]) if lines else {"way": way, "cores": n,
+                                                               "error": run.stderr[-1500:]})
+            print(json.dumps(results[-1]), flush=True)
+    print(json.dumps({"config": args.config, "steps": args.steps, "results": results}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

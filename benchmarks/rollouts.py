@@ -8,8 +8,8 @@ smollm2_grpo.yaml). Each way runs in a process of its own, on 1 core and on all 
 fresh LoRA weights (as an optimizer step sends) then the step's answers:
 - `ours lora`: this project's sampler with the adapter beside the base (grpo.rollout_policy=lora);
 - `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout_policy=merged);
-- `vllm lora` (where vLLM is installed): vLLM's LLM with the adapter as a LoRARequest, reloaded in place from the
-  folder it is saved to at each sync (vLLM's CPU route for new weights; saving it is counted);
+- `vllm lora` (where vLLM is installed): grpo.rollout_engine=vllm as the actors run it (app/train/vllm_sampler.py):
+  at each sync the adapter checked, written as a PEFT folder and handed to vLLM as a new LoRARequest (counted);
 - `vllm merged`: vLLM over the base alone, decoding as a merged adapter would; no sync counted, since vLLM on
   CPUs has no route for new merged weights short of a restart (its engine's `load_weights` needs weight loaders
   its processed CPU parameters lack), so this is the ceiling of that way, not a way a run can take.
@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 WAYS = ("ours lora", "ours merged", "vllm lora", "vllm merged")
@@ -49,13 +48,13 @@ def fresh_weights(sampler, step: int) -> dict:
             for name, p in sampler.model.named_parameters() if name in sampler.names}
 
 
-def ours(cfg, prompts, steps: int) -> list[float]:
-    from app.train.sampling import adapter_checksum, build_sampler
+def synced_steps(sampler, trainer, cfg, prompts, steps: int) -> list[float]:
+    """Answers/s of each step after a warm-up one: a sync of fresh weights (shaped as `trainer`'s), then the step."""
+    from app.train.sampling import adapter_checksum
 
-    sampler = build_sampler(cfg)
     rates = []
     for step in range(steps + 1):
-        weights = fresh_weights(sampler, step)
+        weights = fresh_weights(trainer, step)
         started = time.perf_counter()
         sampler.load_adapter(weights, step, adapter_checksum(weights))
         answers = sampler.sample(prompts, cfg.grpo, seed=step)
@@ -63,28 +62,35 @@ def ours(cfg, prompts, steps: int) -> list[float]:
     return rates[1:]
 
 
-def vllm(cfg, prompts, steps: int, lora: bool) -> list[float]:
-    from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.lora.request import LoRARequest
-
+def ours(cfg, prompts, steps: int) -> list[float]:
     from app.train.sampling import build_sampler
 
+    sampler = build_sampler(cfg)
+    return synced_steps(sampler, sampler, cfg, prompts, steps)
+
+
+def vllm_lora(cfg, prompts, steps: int) -> list[float]:
+    """grpo.rollout_engine=vllm as the actors run it (app/train/vllm_sampler.py): each sync a new LoRA request."""
+    from app.train.sampling import build_sampler
+    from app.train.vllm_sampler import VllmSampler
+
+    trainer = build_sampler(cfg.with_set({"grpo.rollout_engine": "transformers"}))
+    return synced_steps(VllmSampler(cfg), trainer, cfg, prompts, steps)
+
+
+def vllm_base(cfg, prompts, steps: int) -> list[float]:
+    """vLLM over the base alone: how fast a merged adapter would decode (no sync: none exists on CPUs)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
     grpo = cfg.grpo
-    llm = LLM(cfg.model.path, dtype="auto", seed=0, enable_lora=lora, max_lora_rank=max(cfg.lora.r, 8),
-              max_num_seqs=len(prompts) * grpo.num_generations, kv_cache_memory_bytes=2 << 30)
-    sampler = build_sampler(cfg.with_set({"grpo.rollout_policy": "lora"}))
+    llm = LLM(cfg.model.path, dtype="auto", seed=0, max_num_seqs=len(prompts) * grpo.num_generations,
+              kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(n=grpo.num_generations, temperature=grpo.temperature, top_p=grpo.top_p,
                             top_k=grpo.top_k or -1, max_tokens=grpo.max_completion_tokens, logprobs=0)
-    folder, rates = tempfile.mkdtemp(), []
-    for step in range(steps + 1):
+    rates = []
+    for _ in range(steps + 1):
         started = time.perf_counter()
-        request = None
-        if lora:
-            sampler.load_adapter(fresh_weights(sampler, step), step)
-            sampler.model.save_pretrained(folder)
-            request = LoRARequest("policy", 1, f"{folder}", load_inplace=True)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=request,
-                               use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rates.append(sum(len(o.outputs) for o in outputs) / (time.perf_counter() - started))
     return rates[1:]
 
@@ -97,10 +103,12 @@ def measure(way: str, config: str, cores: int, steps: int) -> None:
     from app.model.base import load_tokenizer
 
     torch.set_num_threads(cores)
-    policy = "merged" if way.endswith("merged") else "lora"
-    cfg = load_config(config, [f"grpo.rollout_policy={policy}"])
+    engine = "transformers" if way.startswith("ours") else "vllm"
+    policy = "merged" if way == "ours merged" else "lora"  # vLLM takes LoRA requests (its `merged`: the base alone)
+    cfg = load_config(config, [f"grpo.rollout_engine={engine}", f"grpo.rollout_policy={policy}"])
     prompts = step_prompts(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
-    rates = ours(cfg, prompts, steps) if way.startswith("ours") else vllm(cfg, prompts, steps, policy == "lora")
+    run = {"ours lora": ours, "ours merged": ours, "vllm lora": vllm_lora, "vllm merged": vllm_base}[way]
+    rates = run(cfg, prompts, steps)
     print(json.dumps({"way": way, "cores": cores, "answers": len(prompts) * cfg.grpo.num_generations,
                       "answers_per_second": round(statistics.median(rates), 2)}), flush=True)
 

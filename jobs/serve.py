@@ -34,8 +34,9 @@ from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, first_line
 from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
+from app.model.vllm_support import vllm_cannot_run, vllm_installed
 from app.runs.layout import OutputDir
-from app.serve.engines import ENGINES, Choice, choose, vllm_cannot_run, vllm_installed
+from app.serve.engines import ENGINES, Choice, choose
 from app.tracking.adapters import adapter_folder, base_of, registered_version
 
 

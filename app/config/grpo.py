@@ -73,6 +73,10 @@ class GrpoSection(Section):
                                            "every rank's requests of the same adapter (continuous batching: an "
                                            "answer that ends frees its row for the next waiting one); None: every "
                                            "answer it has been asked for")
+    rollout_engine: Literal["auto", "transformers", "vllm"] = Field(
+        "auto", description="what decodes the rollouts: transformers, this project's engine (app/engine/) over the "
+        "transformers model; vllm, vLLM in each actor, the policy as LoRA requests; auto: vllm on GPU actors where it "
+        "is installed and runs the model, else transformers (on CPUs it samples 12x vLLM's LoRA path)")
     rollout_policy: Literal["auto", "merged", "lora"] = Field(
         "auto", description="how the policy reaches a rollout actor's engine: merged, the adapter merged into the "
         "actor's copy of the base at each sync (its steps run the base's products alone; the adapted base weights "
@@ -125,15 +129,26 @@ def unmergeable_lora(model: ModelSection, lora: LoraSection) -> str | None:
     return None
 
 
+def vllm_refuses(model: ModelSection, lora: LoraSection) -> str | None:
+    """Why vLLM would sample another policy than the one trained, or None."""
+    if lora.use_dora:
+        return "lora.use_dora=true (vLLM has no DoRA)"
+    if model.quantization == "nf4":
+        return "model.quantization=nf4 (vLLM would load the base unquantized)"
+    return None
+
+
 MERGED_WHY = ("merged (the adapter merged into each actor's copy of the base at every sync: its steps run the base's "
-              "products alone; 1.25x LoRA's answers/s beside the base on 1 and 2 CPU cores: benchmarks/rollouts.py)")
+              "products alone; 1.3x LoRA's answers/s beside the base on 1 and 2 CPU cores: benchmarks/rollouts.py)")
 
 
-def rollout_policy_of(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> tuple[str, str]:
-    """grpo.rollout_policy as a run takes it, and why where it was `auto`: merged where the adapter can merge, else
-    LoRA beside the base."""
+def rollout_policy_of(model: ModelSection, lora: LoraSection, grpo: GrpoSection, engine: str) -> tuple[str, str]:
+    """grpo.rollout_policy as a run takes it with rollout engine `engine`, and why where it was `auto`: vLLM takes
+    LoRA requests; this project's engine the adapter merged where it can merge, else LoRA beside the base."""
     if grpo.rollout_policy != "auto":
         return grpo.rollout_policy, ""
+    if engine == "vllm":
+        return "lora", "lora (vLLM takes the adapter as a LoRA request at each sync)"
     why = unmergeable_lora(model, lora)
     return ("lora", f"lora (the adapter beside the base at every step: {why} cannot merge)") if why else \
         ("merged", MERGED_WHY)

@@ -15,7 +15,7 @@ from app.config.adapters import (
     adapters_train_what_one_job_can,
     one_job_sweeps_have_adapters,
 )
-from app.config.grpo import GrpoSection, unmergeable_lora
+from app.config.grpo import GrpoSection, unmergeable_lora, vllm_refuses
 from app.config.objectives import objective_of, reading
 from app.config.sections import (
     RUN_NAME,
@@ -175,9 +175,20 @@ def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str |
 
 
 def merged_policy_can_merge(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> str | None:
+    if grpo.rollout_policy == "merged" and grpo.rollout_engine == "vllm":
+        return ("grpo.rollout_policy=merged with grpo.rollout_engine=vllm: vLLM takes the adapter as LoRA requests; "
+                "set grpo.rollout_policy: lora, or grpo.rollout_engine: transformers")
     why = unmergeable_lora(model, lora) if grpo.rollout_policy == "merged" else None
     if why:
         return f"grpo.rollout_policy=merged with {why}: the adapter cannot be merged; set grpo.rollout_policy: lora"
+    return None
+
+
+def vllm_takes_the_adapter(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> str | None:
+    why = vllm_refuses(model, lora) if grpo.rollout_engine == "vllm" else None
+    if why:
+        return (f"grpo.rollout_engine=vllm with {why}: it would sample another policy than the one trained; set "
+                "grpo.rollout_engine: transformers")
     return None
 
 
@@ -198,6 +209,6 @@ RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, o
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
          data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
          elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
-         staleness_is_counted_in_steps, merged_policy_can_merge,
+         staleness_is_counted_in_steps, merged_policy_can_merge, vllm_takes_the_adapter,
          tune_ranks_by_a_reported_figure, adapters_are_named_once, adapters_train_what_one_job_can,
          one_job_sweeps_have_adapters, adapters_share_what_they_can, adapter_data_is_whole)

@@ -1,7 +1,7 @@
 """One LoRA adapter merged into the base weights the engine decodes with, for a process that samples from a single
 policy whose adapter changes at every sync (a rollout actor): its steps then run the base's products alone, with
 no LoRA product beside each (a 2-core Xeon, SmolLM2-135M, r=16 on every linear layer, a GRPO step's 64 answers:
-1.25x the answers per second of LoRA beside the base on one core and on two, the merge at each sync counted;
+1.3x the answers per second of LoRA beside the base on one core and on two, the merge at each sync counted;
 benchmarks/rollouts.py).
 
 Each merge starts from a copy of the untouched base weights (kept on the host), never from the previous merge, so

@@ -30,18 +30,21 @@ from app.plan.rollout_sizing import rollout_gpus_each
 from app.train import rewards
 from app.train.rollout_engine import RolloutEngine
 from app.train.sampling import Sampled, build_sampler
+from app.train.vllm_sampler import VllmSampler
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class RolloutActor:
-    """One rollout worker: an engine over a Sampler on its own device (the name in the Ray dashboard's actor
-    list), called from a thread per request. Ray restarts one that dies (a lost node); its first answer after
-    that says so (rollout/actor_restarts), and the requests carry their adapter, so nothing is re-sent."""
+    """One rollout worker: an engine over a Sampler (or vLLM, grpo.rollout_engine=vllm) on its own device (the
+    name in the Ray dashboard's actor list), called from a thread per request. Ray restarts one that dies (a lost
+    node); its first answer after that says so (rollout/actor_restarts), and the requests carry their adapter, so
+    nothing is re-sent."""
 
     def __init__(self, cfg: FinetuneConfig):
         torch.set_num_threads(max(1, int(cfg.grpo.rollout_cpus)))
         device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
-        self.engine = RolloutEngine(build_sampler(cfg, device), cfg.grpo)  # its adapter: each request's
+        sampler = VllmSampler(cfg, device) if cfg.grpo.rollout_engine == "vllm" else build_sampler(cfg, device)
+        self.engine = RolloutEngine(sampler, cfg.grpo)  # its adapter: each request's
         with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed

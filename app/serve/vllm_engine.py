@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 from app.engine.sampling import TokenLogprob
+from app.model.vllm_support import vllm_lora_rank
 from app.serve.jobs import Job
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class VllmEngine:
         args = AsyncEngineArgs(
             model=base, revision=revision, dtype=dtype, max_model_len=context, max_num_seqs=max_rows, seed=0,
             disable_log_stats=True, enable_lora=bool(adapters),
-            max_lora_rank=_supported_rank(self.rank) if adapters else 16,
+            max_lora_rank=vllm_lora_rank(self.rank) if adapters else 16,
             max_loras=max(1, len(adapters) + spare_adapters), trust_remote_code=False, enforce_eager=eager, **memory)
         self.loop = asyncio.new_event_loop()  # vLLM's own: its output handler lives on one loop, whoever asks
         threading.Thread(target=self.loop.run_forever, name="vllm-engine", daemon=True).start()
@@ -141,7 +142,7 @@ class VllmEngine:
         self.llm.shutdown()
 
     def load_adapter(self, name: str, folder: str) -> None:
-        if self.loras and lora_rank(folder) > _supported_rank(self.rank):
+        if self.loras and lora_rank(folder) > vllm_lora_rank(self.rank):
             raise ValueError(f"{folder}: LoRA rank {lora_rank(folder)} is above the {self.rank} this vLLM engine was "
                              "started for (max_lora_rank); restart the server to serve it")
         self.loras[name] = self.lora(name, folder)
@@ -213,8 +214,3 @@ class VllmEngine:
                 del self.retired[name]
                 if lora is not None:
                     await self.llm.remove_lora(lora.lora_int_id)
-
-
-def _supported_rank(rank: int) -> int:
-    """vLLM's max_lora_rank takes one of a few values: the smallest that holds `rank`."""
-    return next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)

@@ -96,6 +96,19 @@ def adapter_checksum(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
+def checked_checksum(weights: dict[str, torch.Tensor], names: set[str], version: int, checksum: str | None) -> str:
+    """The checksum of an adapter sent to a sampler whose adapter's weights are `names`; ValueError when they are
+    not those weights, or not what the trainer sent (`checksum`)."""
+    if set(weights) != names:
+        missing = sorted(names - set(weights)) or sorted(set(weights) - names)
+        raise ValueError(f"the adapter sent to the sampler does not match its model (first: {missing[0]})")
+    received = adapter_checksum(weights)
+    if checksum is not None and received != checksum:
+        raise ValueError(f"the adapter of step {version} arrived changed (checksum {received}, sent {checksum}): "
+                         "the sync is refused")
+    return received
+
+
 def engine_core(model: nn.Module, end_ids: list[int]) -> EngineCore | None:
     """The engine over the policy model, or None where its attention does not go through transformers'
     AttentionInterface (transformers' `generate` decodes those)."""
@@ -129,13 +142,7 @@ class Sampler:
         PEFT model, so the names are the same): every LoRA weight, or none; refused (ValueError) when they are not
         what the trainer sent (`checksum`). The held version is forgotten first: a copy that fails part-way leaves
         no adapter labelled as one it is not."""
-        if set(weights) != self.names:
-            missing = sorted(self.names - set(weights)) or sorted(set(weights) - self.names)
-            raise ValueError(f"the adapter sent to the sampler does not match its model (first: {missing[0]})")
-        received = adapter_checksum(weights)
-        if checksum is not None and received != checksum:
-            raise ValueError(f"the adapter of step {version} arrived changed (checksum {received}, sent {checksum}): "
-                             "the sync is refused")
+        received = checked_checksum(weights, self.names, version, checksum)
         self.version, self.checksum = -2, ""  # none until the copy is whole
         parameters = dict(self.model.named_parameters())
         for name, value in weights.items():
@@ -209,4 +216,4 @@ def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
         load_adapter_weights(model, init_adapter)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     return Sampler(model, end_token_ids(model.generation_config, tokenizer), pad_id(tokenizer), device,
-                   rollout_policy_of(cfg.model, cfg.lora, cfg.grpo)[0])
+                   rollout_policy_of(cfg.model, cfg.lora, cfg.grpo, "transformers")[0])

@@ -65,3 +65,39 @@ def test_a_merged_policy_asked_of_an_adapter_that_cannot_merge_is_one_line_namin
                                          r"scale every step's output\): the adapter cannot be merged; set "
                                          r"grpo.rollout_policy: lora"):
         load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "lora.use_dora=true", "grpo.rollout_policy=merged"])
+
+
+def _engine(tmp_path, monkeypatch, cannot, *overrides):
+    monkeypatch.setattr("app.plan.rollout_sizing.vllm_cannot_run", lambda path: cannot)
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
+    plan = Plan(cfg).decided(*rollout_decisions(cfg, 8))
+    return plan.cfg.grpo.rollout_engine, plan.cfg.grpo.rollout_policy, plan.reasons.get("grpo.rollout_engine", "")
+
+
+def test_rollouts_decode_on_vllm_beside_gpu_workers_and_on_this_engine_on_cpus_each_saying_why(tmp_path,
+                                                                                               monkeypatch):
+    """vLLM's presence is what the test sets (no GPU and no choice of installed packages here)."""
+    assert _engine(tmp_path, monkeypatch, None, "scaling.use_gpu=true", "scaling.num_workers=4") == \
+        ("vllm", "lora", "vllm (GPU actors: vLLM's paged attention and batched LoRA kernels; the policy as LoRA "
+                         "requests)")
+    engine, policy, why = _engine(tmp_path, monkeypatch, None, "scaling.use_gpu=false")
+    assert (engine, policy) == ("transformers", "merged") and why.startswith("transformers (this project's engine: "
+                                                                             "on CPUs, with the adapter merged")
+    assert _engine(tmp_path, monkeypatch, "vLLM is not installed", "scaling.use_gpu=true")[::2] == \
+        ("transformers", "transformers (this project's engine: vLLM is not installed)")
+    assert _engine(tmp_path, monkeypatch, None, "scaling.use_gpu=true", "lora.use_dora=true")[::2] == \
+        ("transformers", "transformers (this project's engine: lora.use_dora=true (vLLM has no DoRA))")
+
+
+def test_vllm_asked_where_it_cannot_sample_the_policy_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    with pytest.raises(UserInputError, match=r"^grpo.rollout_engine=vllm: vLLM is not installed; or set "
+                                             r"grpo.rollout_engine: transformers$"):
+        _engine(tmp_path, monkeypatch, "vLLM is not installed", "grpo.rollout_engine=vllm")
+    with pytest.raises(ValueError, match=r"grpo.rollout_engine=vllm with model.quantization=nf4 \(vLLM would load the "
+                                         r"base unquantized\): it would sample another policy than the one trained"):
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "model.quantization=nf4",
+                           "grpo.rollout_engine=vllm"])
+    with pytest.raises(ValueError, match=r"grpo.rollout_policy=merged with grpo.rollout_engine=vllm: vLLM takes the "
+                                         r"adapter as LoRA requests"):
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "grpo.rollout_policy=merged",
+                           "grpo.rollout_engine=vllm"])

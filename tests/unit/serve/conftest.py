@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from app.serve.engines import vllm_installed
+from app.model.vllm_support import vllm_installed
 
 KEY = "test-key-0123456789"
 ENGINES = ["transformers", *(["vllm"] if vllm_installed() else [])]

@@ -93,11 +93,11 @@ def test_vllm_asked_for_where_it_is_missing_or_cannot_run_the_model_is_one_line(
     import shutil
 
     import jobs.serve as serve_cli
-    from app.serve.engines import vllm_installed
+    from app.model.vllm_support import vllm_installed
 
     args = serve_cli.parse_args(["--adapter", f"a={embedded['model']}", "--engine", "vllm"])
     monkeypatch.setattr(serve_cli, "vllm_installed", lambda: False)
-    monkeypatch.setattr("app.serve.engines.vllm_installed", lambda: False)
+    monkeypatch.setattr("app.model.vllm_support.vllm_installed", lambda: False)
     with pytest.raises(UserInputError, match=r"^--engine vllm: vLLM is not installed \(pip install '\.\[vllm\]'.*; or "
                                              r"serve with --engine transformers$"):
         serve_cli.engine_choice(args, {})

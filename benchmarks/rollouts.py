@@ -2,13 +2,13 @@
 
     python -m benchmarks.rollouts [--config jobs/configs/smollm2_grpo.yaml] [--cores 1,2] [--steps 3] [--no-vllm]
 
-The config's model, LoRA shape and grpo settings (answers per prompt, answer length, temperature, top-p/top-k), and
+The config's model, LoRA shape and rollout settings (answers per prompt, answer length, temperature, top-p/top-k), and
 its first train_batch / num_generations prompts from its data (8 reasoning-gym problems x 8 answers for
 smollm2_grpo.yaml). Each way runs in a process of its own, on 1 core and on all of them; each step is a sync of
 fresh LoRA weights (as an optimizer step sends) then the step's answers:
-- `ours lora`: this project's sampler with the adapter beside the base (grpo.rollout_policy=lora);
-- `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout_policy=merged);
-- `vllm lora` (where vLLM is installed): grpo.rollout_engine=vllm as the actors run it (app/train/vllm_sampler.py):
+- `ours lora`: this project's sampler with the adapter beside the base (rollout.policy=lora);
+- `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout.policy=merged);
+- `vllm lora` (where vLLM is installed): rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py):
   at each sync the adapter checked, written as a PEFT folder and handed to vLLM as a new LoRARequest (counted);
 - `vllm merged`: vLLM over the base alone, decoding as a merged adapter would; no sync counted, since vLLM on
   CPUs has no route for new merged weights short of a restart (its engine's `load_weights` needs weight loaders
@@ -33,7 +33,7 @@ def step_prompts(cfg, tokenizer) -> list[list[int]]:
     from app.data.gym_tasks import parse_spec, task_entries, task_record
 
     spec = parse_spec(cfg.data.train_path, "data.train_path")
-    count = cfg.train.global_batch_size // cfg.grpo.num_generations
+    count = cfg.train.global_batch_size // cfg.rollout.num_generations
     records = [task_record(entry, spec.name) for entry in task_entries(spec, "data.train_path")[:count]]
     return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
             for r in records]
@@ -57,7 +57,7 @@ def synced_steps(sampler, trainer, cfg, prompts, steps: int) -> list[float]:
         weights = fresh_weights(trainer, step)
         started = time.perf_counter()
         sampler.load_adapter(weights, step, adapter_checksum(weights))
-        answers = sampler.sample(prompts, cfg.grpo, seed=step)
+        answers = sampler.sample(prompts, cfg.rollout, seed=step)
         rates.append(len(answers) / (time.perf_counter() - started))
     return rates[1:]
 
@@ -70,11 +70,11 @@ def ours(cfg, prompts, steps: int) -> list[float]:
 
 
 def vllm_lora(cfg, prompts, steps: int) -> list[float]:
-    """grpo.rollout_engine=vllm as the actors run it (app/train/vllm_sampler.py): each sync a new LoRA request."""
+    """rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py): each sync a new LoRA request."""
     from app.train.sampling import build_sampler
     from app.train.vllm_sampler import VllmSampler
 
-    trainer = build_sampler(cfg.with_set({"grpo.rollout_engine": "transformers"}))
+    trainer = build_sampler(cfg.with_set({"rollout.engine": "transformers"}))
     return synced_steps(VllmSampler(cfg), trainer, cfg, prompts, steps)
 
 
@@ -82,11 +82,11 @@ def vllm_base(cfg, prompts, steps: int) -> list[float]:
     """vLLM over the base alone: how fast a merged adapter would decode (no sync: none exists on CPUs)."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    grpo = cfg.grpo
-    llm = LLM(cfg.model.path, dtype="auto", seed=0, max_num_seqs=len(prompts) * grpo.num_generations,
+    rollout = cfg.rollout
+    llm = LLM(cfg.model.path, dtype="auto", seed=0, max_num_seqs=len(prompts) * rollout.num_generations,
               kv_cache_memory_bytes=2 << 30)
-    params = SamplingParams(n=grpo.num_generations, temperature=grpo.temperature, top_p=grpo.top_p,
-                            top_k=grpo.top_k or -1, max_tokens=grpo.max_completion_tokens, logprobs=0)
+    params = SamplingParams(n=rollout.num_generations, temperature=rollout.temperature, top_p=rollout.top_p,
+                            top_k=rollout.top_k or -1, max_tokens=rollout.max_completion_tokens, logprobs=0)
     rates = []
     for _ in range(steps + 1):
         started = time.perf_counter()
@@ -105,11 +105,11 @@ def measure(way: str, config: str, cores: int, steps: int) -> None:
     torch.set_num_threads(cores)
     engine = "transformers" if way.startswith("ours") else "vllm"
     policy = "merged" if way == "ours merged" else "lora"  # vLLM takes LoRA requests (its `merged`: the base alone)
-    cfg = load_config(config, [f"grpo.rollout_engine={engine}", f"grpo.rollout_policy={policy}"])
+    cfg = load_config(config, [f"rollout.engine={engine}", f"rollout.policy={policy}"])
     prompts = step_prompts(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
     run = {"ours lora": ours, "ours merged": ours, "vllm lora": vllm_lora, "vllm merged": vllm_base}[way]
     rates = run(cfg, prompts, steps)
-    print(json.dumps({"way": way, "cores": cores, "answers": len(prompts) * cfg.grpo.num_generations,
+    print(json.dumps({"way": way, "cores": cores, "answers": len(prompts) * cfg.rollout.num_generations,
                       "answers_per_second": round(statistics.median(rates), 2)}), flush=True)
 
 

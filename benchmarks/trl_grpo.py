@@ -14,7 +14,7 @@ runs under torchrun with gloo and FSDP2 via accelerate (benchmarks/trl_sft.py's 
 job. Figures per side: completions per second per worker in the steady state (the first --warmup steps left out),
 peak memory per worker (the max over workers), and each reward function's mean over the held-out prompts answered
 greedily by the saved adapter in plain PEFT (benchmarks/exact_match.py), with the start's beside them. With
---staleness the job runs once per grpo.max_staleness given (k > 0 with importance_correction tis), each beside TRL
+--staleness the job runs once per rollout.max_staleness given (k > 0 with importance_correction tis), each beside TRL
 (`jobs`; `job` is the first). Prints one JSON line and writes <out>/trl_grpo.json.
 """
 
@@ -40,8 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adapter", help="an adapter both sides start from (default: a fresh LoRA from `lora:`)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's train.max_steps)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
-    p.add_argument("--staleness", type=int, nargs="+", help="the job once per grpo.max_staleness (default: the "
-                   "config's); k > 0 with grpo.importance_correction=tis")
+    p.add_argument("--staleness", type=int, nargs="+", help="the job once per rollout.max_staleness (default: the "
+                   "config's); k > 0 with rollout.importance_correction=tis")
     p.add_argument("--out", default="outputs/benchmark/grpo")
     p.add_argument("--model-path", help=argparse.SUPPRESS)  # the torchrun side: the resolved model folder
     p.add_argument("--train-file", help=argparse.SUPPRESS)  # the torchrun side: the resolved train prompts
@@ -55,7 +55,7 @@ def overrides(args) -> list[str]:
     return [*args.set, *extra, *([f"model.init_adapter={args.adapter}"] if args.adapter else [])]
 
 
-def run_job(args, cfg, staleness: list[str]) -> dict:
+def run_job(args, cfg, sets: list[str], name: str = "trl-grpo-job") -> dict:
     """The job, with its steady completions/s per worker over the same steps as TRL's (from its MLflow steps), and
     the share of its steps the trainers waited for the rollout side."""
     from benchmarks.common import run_job_steadily
@@ -63,8 +63,8 @@ def run_job(args, cfg, staleness: list[str]) -> dict:
     steps = cfg.train.max_steps
     bench = [f"train.eval_every={steps}", f"train.checkpoint_every={steps}", "train.eval_on_start=false",
              "train.log_every=1", f"train.output_dir={Path(args.out).resolve() / 'job'}",
-             f"train.run_name=trl-grpo-job-{time.strftime('%Y%m%d-%H%M%S')}"]
-    summary, curve, steady, seconds = run_job_steadily(args.config, overrides(args) + staleness + bench, args.warmup)
+             f"train.run_name={name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    summary, curve, steady, seconds = run_job_steadily(args.config, sets + bench, args.warmup)
     generate, idle = curve("rollout/generate_share"), curve("rollout/trainer_idle_share")
     workers = cfg.scaling.num_workers
     return {"completions_per_second_per_worker": cfg.train.global_batch_size * len(steady) / seconds / workers,
@@ -77,22 +77,21 @@ def run_job(args, cfg, staleness: list[str]) -> dict:
 
 
 def staleness_overrides(k: int) -> list[str]:
-    return [f"grpo.max_staleness={k}", f"grpo.importance_correction={'tis' if k else 'none'}"]
+    return [f"rollout.max_staleness={k}", f"rollout.importance_correction={'tis' if k else 'none'}"]
 
 
 def trl_worker(args) -> None:
     """Under torchrun: GRPOTrainer over the config's LoRA (or the starting adapter, trainable), timed per step;
     rank 0 saves the adapter."""
-    import torch.distributed as dist
     from datasets import Dataset
     from peft import LoraConfig, PeftModel, get_peft_model
     from trl import GRPOConfig, GRPOTrainer
 
     from app.train.rewards import load_reward_function
-    from benchmarks.trl_sft import fsdp_on_cpu, saved_figures, train_timed, trainer_arguments, trl_worker_start
+    from benchmarks.trl_sft import fsdp_on_cpu, trainer_arguments, trl_worker_start
 
     cfg = load_config(args.config, overrides(args))
-    train, grpo, lora = cfg.train, cfg.grpo, cfg.lora
+    train, grpo, rollout, lora = cfg.train, cfg.grpo, cfg.rollout, cfg.lora
     rank, world, bf16, tokenizer, model, layer_class = trl_worker_start(args.model_path)
     model = (PeftModel.from_pretrained(model, args.adapter, is_trainable=True) if args.adapter else get_peft_model(
         model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -102,25 +101,37 @@ def trl_worker(args) -> None:
                                lr=train.learning_rate)
     config = GRPOConfig(**trainer_arguments(shape, layer_class, bf16),
                         gradient_accumulation_steps=train.global_batch_size // (world * train.micro_batch_size),
-                        num_generations=grpo.num_generations, max_completion_length=grpo.max_completion_tokens,
-                        temperature=grpo.temperature, top_p=1.0, beta=grpo.beta, loss_type=grpo.loss_type,
+                        num_generations=rollout.num_generations, max_completion_length=rollout.max_completion_tokens,
+                        temperature=rollout.temperature, top_p=1.0, beta=grpo.beta, loss_type=grpo.loss_type,
                         scale_rewards="group", num_iterations=1, reward_weights=grpo.reward_weights,
                         mask_truncated_completions=grpo.mask_truncated_completions)
     trainer = fsdp_on_cpu(GRPOTrainer)(
         model=model, args=config, train_dataset=Dataset.from_list(records), processing_class=tokenizer,
         reward_funcs=[load_reward_function(spec) for spec in grpo.reward_funcs])
-    timed = train_timed(trainer, args.warmup)
+    trained_and_reported(trainer, args, tokenizer, train.global_batch_size, (rank, world, bf16))
+
+
+def trained_and_reported(trainer, args, tokenizer, completions_per_step: int, group: tuple[int, int, bool]) -> None:
+    """A TRL online trainer trained and timed per step under torchrun; rank 0 saves the adapter and prints the
+    figures (completions/s per worker); the process group ends. `group`: (rank, world size, bf16)."""
+    import torch.distributed as dist
+
+    from benchmarks.trl_sft import saved_figures, train_timed
+
+    (rank, world, bf16), timed = group, train_timed(trainer, args.warmup)
     if rank == 0:
-        figures = saved_figures(timed, tokenizer, args.out, train.global_batch_size, "completions", world, bf16)
+        figures = saved_figures(timed, tokenizer, args.out, completions_per_step, "completions", world, bf16)
         print(json.dumps(figures), flush=True)
     dist.destroy_process_group()
 
 
-def held_out(cfg, model: str, eval_file: str, adapter: str | None) -> dict:
+def held_out(cfg, model: str, eval_file: str, adapter: str | None, rewards: list[str] | None = None) -> dict:
+    """The mean of each reward function (the config's, or `rewards`) over the held-out prompts, answered greedily by
+    `adapter` on `model` in plain PEFT."""
     from benchmarks.exact_match import held_out_rewards
 
-    figures = held_out_rewards(model, adapter, eval_file, cfg.grpo.reward_funcs, cfg.grpo.max_completion_tokens,
-                               cfg.data.max_eval_rows or 0)
+    figures = held_out_rewards(model, adapter, eval_file, rewards or cfg.grpo.reward_funcs,
+                               cfg.rollout.max_completion_tokens, cfg.data.max_eval_rows or 0)
     return {f"held_out_{k}": v for k, v in figures.items() if k != "adapter"}
 
 
@@ -138,8 +149,8 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"config": args.config, "overrides": overrides(args), "model": cfg.model.path,
               "steps": cfg.train.max_steps, "warmup": args.warmup, "workers": cfg.scaling.num_workers,
-              "jobs": {f"max_staleness={k}": run_job(args, cfg, staleness_overrides(k))
-                       for k in args.staleness or [cfg.grpo.max_staleness]}}
+              "jobs": {f"max_staleness={k}": run_job(args, cfg, overrides(args) + staleness_overrides(k))
+                       for k in args.staleness or [cfg.rollout.max_staleness]}}
     result["job"] = next(iter(result["jobs"].values()))
     flags = [f"--config={args.config}", *(f"--set={o}" for o in args.set), f"--warmup={args.warmup}",
              f"--model-path={cfg.model.path}", f"--train-file={sources.train[0].files[0]}",

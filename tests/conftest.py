@@ -76,7 +76,7 @@ LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "
                  "tests.integration.test_preference", "tests.integration.test_grpo",
                  "tests.unit.train.test_grpo_recipe", "tests.integration.test_tracking"]
 # Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
-FILLERS = {"tests.unit.plan.test_packing_probe"}
+FILLERS = {"tests.unit.model.test_packing_probe"}
 # Modules of long tests that share no module fixture: a group per test, so the two processes share them out
 # instead of one running them all in a row.
 SPLIT = {"tests.integration.test_tune", "tests.integration.test_side_by_side"}

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from app.config import paths
 from app.config.objectives import objective_of
+from app.config.rollout import MOVED_FROM_GRPO
 from app.config.schema import FinetuneConfig, entry_model
 from app.errors import UserInputError, first_line
 from app.runs.layout import OutputDir
@@ -49,6 +50,9 @@ def _all_keys() -> list[str]:
 
 
 def _suggest(dotted: str) -> str:
+    section, _, key = dotted.partition(".")
+    if section == "grpo" and key in MOVED_FROM_GRPO:
+        return f" (it moved to the rollout section: set rollout.{MOVED_FROM_GRPO[key]})"
     close = difflib.get_close_matches(dotted, _all_keys(), n=1)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -123,6 +127,8 @@ def _resolved(cfg: FinetuneConfig, default_run_name: str) -> FinetuneConfig:
     return cfg.with_set({
         "model.path": paths.input_path(cfg.model.path),
         "model.init_adapter": paths.adapter_source(cfg.model.init_adapter),
+        "distill.teacher": paths.input_path(cfg.distill.teacher) if cfg.distill.teacher else None,
+        "distill.teacher_adapter": paths.adapter_source(cfg.distill.teacher_adapter),
         "data.train_path": (paths.input_path(cfg.data.train_path) if isinstance(cfg.data.train_path, str)
                             else [paths.input_path(p) for p in cfg.data.train_path]),
         "data.eval_path": paths.input_path(cfg.data.eval_path),

@@ -15,8 +15,10 @@ from app.config.adapters import (
     adapters_train_what_one_job_can,
     one_job_sweeps_have_adapters,
 )
-from app.config.grpo import GrpoSection, unmergeable_lora, vllm_refuses
+from app.config.distill import DistillSection
+from app.config.grpo import GrpoSection
 from app.config.objectives import objective_of, reading
+from app.config.rollout import RolloutSection, unmergeable_lora, vllm_refuses
 from app.config.sections import (
     RUN_NAME,
     DataSection,
@@ -139,30 +141,48 @@ def elastic_groups_can_be_placed(scaling: ScalingSection) -> str | None:
     return None
 
 
-def grpo_has_rewards(train: TrainSection, grpo: GrpoSection) -> str | None:
-    if objective_of(train).samples_online and not grpo.reward_funcs:
+def grpo_has_rewards(train: TrainSection, grpo: GrpoSection, rollout: RolloutSection) -> str | None:
+    if not objective_of(train).rewarded:
+        return None
+    if not grpo.reward_funcs:
         return ("train.objective=grpo needs grpo.reward_funcs: the functions that score each answer, e.g. "
                 "[\"rewards.py:exact_answer\"]")
+    if rollout.num_generations < 2:
+        return (f"rollout.num_generations={rollout.num_generations}: GRPO compares each answer with the others to "
+                "its prompt; sample 2 or more")
     return None
 
 
-def staleness_is_counted_in_steps(grpo: GrpoSection) -> str | None:
-    if grpo.max_staleness and grpo.num_iterations > 1:
-        return (f"grpo.max_staleness={grpo.max_staleness} with grpo.num_iterations={grpo.num_iterations}: a batch "
-                "that trains several steps is already that many steps old by its last; use one of them")
+def distill_has_a_teacher(train: TrainSection, distill: DistillSection, model: ModelSection) -> str | None:
+    if not objective_of(train).taught:
+        return None
+    if distill.teacher_adapter is None and distill.teacher is None:
+        return ("train.objective=distill needs a teacher: distill.teacher_adapter (a LoRA adapter on the student's "
+                "base: an adapter folder, a run name under train.output_dir, or models:/NAME@champion), or "
+                "distill.teacher (another model)")
+    if distill.teacher is None and model.init_adapter is not None and model.init_adapter == distill.teacher_adapter:
+        return (f"model.init_adapter={model.init_adapter} is distill.teacher_adapter too: the student would start as "
+                "the teacher and have nothing to learn; start it elsewhere")
     return None
 
 
-def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, grpo: GrpoSection) -> str | None:
+def staleness_is_counted_in_steps(rollout: RolloutSection, grpo: GrpoSection) -> str | None:
+    if rollout.max_staleness and grpo.num_iterations > 1:
+        return (f"rollout.max_staleness={rollout.max_staleness} with grpo.num_iterations={grpo.num_iterations}: a "
+                "batch that trains several steps is already that many steps old by its last; use one of them")
+    return None
+
+
+def completions_split_into_groups(train: TrainSection, scaling: ScalingSection, rollout: RolloutSection) -> str | None:
     """train.global_batch_size counts completions: every worker holds whole groups of num_generations."""
     if not objective_of(train).samples_online:
         return None
     for workers in scaling.worker_counts:
-        per_worker = grpo.num_generations * workers
+        per_worker = rollout.num_generations * workers
         if train.global_batch_size % per_worker:
             return (f"train.global_batch_size={train.global_batch_size} counts completions: it must split into whole "
-                    f"groups of grpo.num_generations={grpo.num_generations} on each of {workers} workers, a multiple "
-                    f"of {per_worker}; change one of them")
+                    f"groups of rollout.num_generations={rollout.num_generations} on each of {workers} workers, a "
+                    f"multiple of {per_worker}; change one of them")
     return None
 
 
@@ -174,21 +194,21 @@ def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str |
     return None
 
 
-def merged_policy_can_merge(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> str | None:
-    if grpo.rollout_policy == "merged" and grpo.rollout_engine == "vllm":
-        return ("grpo.rollout_policy=merged with grpo.rollout_engine=vllm: vLLM takes the adapter as LoRA requests; "
-                "set grpo.rollout_policy: lora, or grpo.rollout_engine: transformers")
-    why = unmergeable_lora(model, lora) if grpo.rollout_policy == "merged" else None
+def merged_policy_can_merge(model: ModelSection, lora: LoraSection, rollout: RolloutSection) -> str | None:
+    if rollout.policy == "merged" and rollout.engine == "vllm":
+        return ("rollout.policy=merged with rollout.engine=vllm: vLLM takes the adapter as LoRA requests; "
+                "set rollout.policy: lora, or rollout.engine: transformers")
+    why = unmergeable_lora(model, lora) if rollout.policy == "merged" else None
     if why:
-        return f"grpo.rollout_policy=merged with {why}: the adapter cannot be merged; set grpo.rollout_policy: lora"
+        return f"rollout.policy=merged with {why}: the adapter cannot be merged; set rollout.policy: lora"
     return None
 
 
-def vllm_takes_the_adapter(model: ModelSection, lora: LoraSection, grpo: GrpoSection) -> str | None:
-    why = vllm_refuses(model, lora) if grpo.rollout_engine == "vllm" else None
+def vllm_takes_the_adapter(model: ModelSection, lora: LoraSection, rollout: RolloutSection) -> str | None:
+    why = vllm_refuses(model, lora) if rollout.engine == "vllm" else None
     if why:
-        return (f"grpo.rollout_engine=vllm with {why}: it would sample another policy than the one trained; set "
-                "grpo.rollout_engine: transformers")
+        return (f"rollout.engine=vllm with {why}: it would sample another policy than the one trained; set "
+                "rollout.engine: transformers")
     return None
 
 
@@ -208,7 +228,7 @@ def mesh_covers_the_workers(scaling: ScalingSection) -> str | None:
 RULES = (min_workers_within_num_workers, global_batch_splits_over_every_group, offload_needs_a_gpu,
          run_name_is_one_path_segment, no_float16_compute, best_metric_is_reported, a_weight_per_source,
          data_feeds_the_objective, nf4_without_dora_or_compile, mesh_covers_the_workers,
-         elastic_groups_can_be_placed, grpo_has_rewards, completions_split_into_groups,
+         elastic_groups_can_be_placed, grpo_has_rewards, distill_has_a_teacher, completions_split_into_groups,
          staleness_is_counted_in_steps, merged_policy_can_merge, vllm_takes_the_adapter,
          tune_ranks_by_a_reported_figure, adapters_are_named_once, adapters_train_what_one_job_can,
          one_job_sweeps_have_adapters, adapters_share_what_they_can, adapter_data_is_whole)

@@ -13,8 +13,10 @@ import yaml
 from pydantic import Field, model_validator
 
 from app.config.adapters import AdapterSection
+from app.config.distill import DistillSection
 from app.config.dpo import DpoSection
 from app.config.grpo import GrpoSection
+from app.config.rollout import RolloutSection
 from app.config.rules import RULES
 from app.config.sections import (
     DataSection,
@@ -47,7 +49,9 @@ class FinetuneConfig(Section):
     scaling: ScalingSection = ScalingSection()
     mlflow: MlflowSection = MlflowSection()
     dpo: DpoSection = DpoSection()
+    rollout: RolloutSection = RolloutSection()
     grpo: GrpoSection = GrpoSection()
+    distill: DistillSection = DistillSection()
     tune: TuneSection = TuneSection()
     adapters: list[AdapterSection] = Field(default_factory=list, description=(
         "several named adapters trained side by side over one base (app/config/adapters.py); empty: one adapter "

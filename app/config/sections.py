@@ -151,12 +151,13 @@ class DataSection(Section):
 class TrainSection(Section):
     """The optimisation, its schedule, and what the run records and keeps."""
 
-    objective: Literal["sft", "dpo", "grpo"] = Field("sft", description="sft: next-token loss on the target tokens; "
-                                             "dpo: preference pairs (the dpo section); grpo: online RL on "
-                                             "prompts with reward functions (the grpo section)")
+    objective: Literal["sft", "dpo", "grpo", "distill"] = Field(
+        "sft", description="sft: next-token loss on the target tokens; dpo: preference pairs (the dpo section); grpo: "
+        "online RL on prompts with reward functions (the grpo and rollout sections); distill: on-policy distillation "
+        "from a teacher (the distill and rollout sections)")
     max_steps: int = Field(100, gt=0, description="optimizer steps; every rank runs exactly this many")
     global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, over all workers (with "
-                                   "train.objective=grpo: completions, grpo.num_generations per prompt)")
+                                   "train.objective=grpo: completions, rollout.num_generations per prompt)")
     micro_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
         4, description="sequences per forward pass on one worker; gradient accumulation fills the rest of the "
                        "global batch; auto: the largest that splits the global batch and fits the memory plan "

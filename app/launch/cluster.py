@@ -81,7 +81,7 @@ def check_placement(cfg: FinetuneConfig) -> None:
     key = "scaling.min_workers" if cfg.scaling.elastic else "scaling.num_workers"
     rollout_cpus, rollout_gpus = rollout_resources(cfg)
     need_cpu = workers * cfg.scaling.cpus_per_worker + rollout_cpus
-    beside = f" and {rollout_cpus:g} for grpo.rollout_workers" if rollout_cpus else ""
+    beside = f" and {rollout_cpus:g} for rollout.workers" if rollout_cpus else ""
     if need_cpu > have.get("CPU", 0):
         raise UserInputError(
             f"{key}={workers} needs {workers * cfg.scaling.cpus_per_worker:g} CPUs ({cfg.scaling.cpus_per_worker:g} "
@@ -91,7 +91,7 @@ def check_placement(cfg: FinetuneConfig) -> None:
     if need_gpu > have.get("GPU", 0):
         raise UserInputError(
             f"{key}={workers} with scaling.use_gpu={str(cfg.scaling.use_gpu).lower()} needs {need_gpu:g} GPUs "
-            f"(grpo.rollout_gpus included) but the cluster has {have.get('GPU', 0):g}; lower {key}, or set "
+            f"(rollout.gpus included) but the cluster has {have.get('GPU', 0):g}; lower {key}, or set "
             "scaling.use_gpu=false to train on CPUs")
     hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}  # nodes of one host: one
     if len(hosts) > 1 and not output_reaches_every_host(cfg):
@@ -115,8 +115,8 @@ def rollout_resources(cfg: FinetuneConfig) -> tuple[float, float]:
     their number is still `auto`, one actor's: a local cluster declares them before the driver sizes the group)."""
     if not objective_of(cfg.train).samples_online:
         return 0.0, 0.0
-    actors = 1 if cfg.grpo.rollout_workers == "auto" else cfg.grpo.rollout_workers  # auto: 1 until the driver sizes it
-    return actors * cfg.grpo.rollout_cpus, actors * rollout_gpus_each(cfg)
+    actors = 1 if cfg.rollout.workers == "auto" else cfg.rollout.workers  # auto: 1 until the driver sizes it
+    return actors * cfg.rollout.cpus, actors * rollout_gpus_each(cfg)
 
 
 def data_fits_beside_workers(cfg: FinetuneConfig) -> bool:

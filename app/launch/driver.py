@@ -17,6 +17,7 @@ import time
 
 import ray
 
+from app.config.distill import DistillSection
 from app.config.objectives import objective_of
 from app.config.paths import export_tracking_credentials
 from app.config.schema import FinetuneConfig
@@ -103,6 +104,19 @@ def print_plan(plan: Plan) -> None:
     """What the driver decided for the run, one line each (the workers print what they measure)."""
     for key, why in plan.reasons.items():
         print(f"plan: {key}={why}", flush=True)
+    if objective_of(plan.cfg.train).taught:
+        print(f"plan: {where_the_teacher_scores(plan.cfg.distill)}", flush=True)
+
+
+def where_the_teacher_scores(distill: DistillSection) -> str:
+    """Distillation's teacher, as the plan prints it: where it scores and what it costs."""
+    if distill.teacher is None:
+        return (f"distill.teacher_adapter={distill.teacher_adapter} (scored on the trainer workers: a frozen second "
+                "adapter on their sharded base, one forward without gradients per micro-batch, no second copy of the "
+                "base; counted in the memory plan)")
+    merged = f", with distill.teacher_adapter={distill.teacher_adapter} merged in" if distill.teacher_adapter else ""
+    return (f"distill.teacher={distill.teacher} (scored on the trainer workers: whole and frozen on each{merged}, one "
+            "forward without gradients per micro-batch; counted in the memory plan)")
 
 
 def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str], bool]:

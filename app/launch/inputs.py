@@ -8,17 +8,24 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.config.adapters import data_streams
+from app.config.distill import teacher_model
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import DataSection
 from app.data.gym_tasks import is_task_source, questions_of
 from app.data.sources import DataSource, checked_records, resolve_source, source_digest
 from app.errors import UserInputError, first_line
 from app.model.files import check_model_files
-from app.plan.model_source import hub_revision_decision, model_folder_decisions
+from app.plan.model_source import hub_revision_decision, model_folder_decisions, teacher_folder_decisions
 from app.plan.plan import Plan
+from app.plan.rollout_sizing import check_asked_engine
 from app.runs.layout import RunDir
+
+if TYPE_CHECKING:  # read before torch loads: the files' checks run first
+    from app.model.adapter import FrozenAdapter
 
 
 @dataclass(frozen=True)
@@ -50,21 +57,29 @@ class CheckedInputs(CheckedSources):
     tokenizer: object
     init_adapter: dict | None = None  # model.init_adapter's weights (saved key -> tensor)
     init_adapter_sha256: str | None = None  # of its weights file: a resumed run must start from the same
+    teacher: FrozenAdapter | None = None  # distill.teacher_adapter's LoRA settings and weights
+    teacher_sha256: str | None = None  # of its weights file: recorded with the run
 
 
 def plan_files(cfg: FinetuneConfig) -> tuple[Plan, CheckedSources]:
     """Before Ray starts: the plan's first decisions (the model's folder, a hub model's commit:
-    app/plan/model_source.py), then what reads files alone (the model's directory, every data source and record:
-    the commonest mistakes)."""
-    plan = Plan(cfg).decided(*model_folder_decisions(cfg))
+    app/plan/model_source.py), a rollout engine asked for that cannot run the model, then what reads files alone
+    (the model's directory, every data source and record: the commonest mistakes)."""
+    plan = Plan(cfg).decided(*model_folder_decisions(cfg), *teacher_folder_decisions(cfg))
     plan = plan.decided(*hub_revision_decision(plan.cfg))
+    check_asked_engine(plan.cfg)
     return plan, checked_sources(plan.cfg)
 
 
 def checked_sources(cfg: FinetuneConfig) -> CheckedSources:
-    """What reads files alone (no torch, no transformers): the model's directory, the data sources and every
-    local record, the job's and each adapter's."""
+    """What reads files alone (no torch, no transformers): the model's directory (and a teacher's of its own), the
+    data sources and every local record, the job's and each adapter's."""
     check_model_files(cfg.model)
+    if cfg.distill.teacher and objective_of(cfg.train).taught:
+        try:
+            check_model_files(teacher_model(cfg.model, cfg.distill))
+        except UserInputError as e:
+            raise UserInputError(str(e).replace("model.path=", "distill.teacher=", 1)) from None
     own = set(data_streams(cfg.adapters, cfg.data).values()) - {""}  # each data of adapters' own, once
     adapters = {adapter.name: checked_data(adapter.data_of(cfg.data), f"adapters.{adapter.name}.", {})
                 for adapter in cfg.adapters if adapter.name in own}

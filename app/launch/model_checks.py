@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from pathlib import Path
 
 from transformers import AutoConfig
 
+from app.config.distill import teacher_model
 from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
@@ -17,13 +19,13 @@ from app.data.formatting import check_chat_template
 from app.data.sources import first_records
 from app.errors import UserInputError, first_line, warn
 from app.launch.inputs import CheckedInputs, CheckedSources
-from app.model.adapter import ADAPTER_WEIGHTS, read_adapter_weights
+from app.model.adapter import ADAPTER_WEIGHTS, FrozenAdapter, read_adapter_weights
 from app.model.base import build_meta_base_model, check_lora_targets, load_tokenizer
-from app.model.init_adapter import check_init_adapter
+from app.model.init_adapter import check_init_adapter, saved_lora_settings
+from app.model.packing_probe import packing_problem
 from app.model.quantization import quantization_problem
 from app.model.sharding import decoder_layers
 from app.plan.loading import loading_decision
-from app.plan.packing_probe import packing_problem
 from app.plan.plan import Plan
 from app.tracking.adapters import Base, adapter_folder, base_of
 from app.tracking.mlflow_run import fluent_tracking_uri
@@ -48,6 +50,7 @@ def checked_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInput
     except (OSError, ValueError) as e:
         raise UserInputError(f"model.path={cfg.model.path}: cannot load its tokenizer: {first_line(e)}") from None
     check_chat_template(tokenizer, "data.chat_template" if cfg.data.chat_template else f"model.path={cfg.model.path}")
+    check_teacher_tokenizer(cfg, tokenizer)
     for lora in (loras.values() if isinstance(loras := cfg.trained_lora(), dict) else [loras]):
         check_lora_targets(cfg.model, lora)
     if cfg.model.quantization == "nf4":
@@ -57,10 +60,12 @@ def checked_inputs(cfg: FinetuneConfig, sources: CheckedSources) -> CheckedInput
     objective = objective_of(cfg.train)
     for spec in cfg.eval.metrics if objective.scores_answers(cfg.eval) else ():
         task_metrics.resolve(spec)  # a user function that does not import fails here, not in every worker
-    if objective.samples_online:
+    if objective.rewarded:
         check_reward_functions(cfg, sources)
     weights, digest = read_init_adapter(cfg)
-    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=weights, init_adapter_sha256=digest)
+    teacher, teacher_digest = read_teacher(cfg)
+    return CheckedInputs(**vars(sources), tokenizer=tokenizer, init_adapter=weights, init_adapter_sha256=digest,
+                         teacher=teacher, teacher_sha256=teacher_digest)
 
 
 def check_reward_functions(cfg: FinetuneConfig, sources: CheckedSources) -> None:
@@ -84,22 +89,57 @@ def read_init_adapter(cfg: FinetuneConfig) -> tuple[dict | None, str | None]:
     source = cfg.model.init_adapter
     if source is None:
         return None, None
+    folder = found_adapter(cfg, "model.init_adapter", source)
+    check_init_adapter(source, folder, cfg.model, cfg.lora)
+    return read_adapter_weights(folder), file_sha256(folder / ADAPTER_WEIGHTS)
+
+
+def read_teacher(cfg: FinetuneConfig) -> tuple[FrozenAdapter | None, str | None]:
+    """distill.teacher_adapter found as model.init_adapter is, with its own LoRA settings (it rides beside the
+    student's adapter, of any rank or targets), checked against the base and read: (it, its weights' sha256)."""
+    source = cfg.distill.teacher_adapter
+    if not objective_of(cfg.train).taught or source is None:
+        return None, None
+    key, base = "distill.teacher_adapter", teacher_model(cfg.model, cfg.distill)
+    folder = found_adapter(cfg, key, source, base)
+    lora = saved_lora_settings(folder, f"{key}={source}")
+    check_init_adapter(source, folder, base, lora, key)
+    return FrozenAdapter(lora, read_adapter_weights(folder)), file_sha256(folder / ADAPTER_WEIGHTS)
+
+
+def check_teacher_tokenizer(cfg: FinetuneConfig, tokenizer) -> None:
+    """A teacher of its own base must share the student's tokenizer: the divergence compares two distributions
+    over the same tokens, position by position of the student's answer."""
+    if cfg.distill.teacher is None or not objective_of(cfg.train).taught:
+        return
+    where = f"distill.teacher={cfg.distill.teacher}"
+    try:
+        theirs = load_tokenizer(teacher_model(cfg.model, cfg.distill))
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"{where}: cannot load its tokenizer: {first_line(e)}") from None
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserInputError(f"{where} has another tokenizer than model.path={cfg.model.path} ({len(theirs)} against "
+                             f"{len(tokenizer)} tokens, or the same count told apart): the divergence compares "
+                             "their distributions token by token; take a teacher of the student's family")
+
+
+def found_adapter(cfg: FinetuneConfig, key: str, source: str, base: ModelSection | None = None) -> Path:
+    """The folder of the adapter `key` names: a folder, a run under train.output_dir, or a registered version;
+    one line where it is none of them. Warns where it was trained on another base than `base` (this run's)."""
     registry = fluent_tracking_uri(cfg.mlflow.tracking_uri) if source.startswith("models:/") else None
     try:
         with registry or contextlib.nullcontext():
             folder = adapter_folder(source, cfg.train.output_dir)
             trained_on = base_of(folder, source)
     except ValueError as e:  # neither a folder, a run nor a registered version: it says where it looked
-        raise UserInputError(f"model.init_adapter={source}: {first_line(e).removeprefix(f'adapter {source}: ')}") \
-            from None
+        raise UserInputError(f"{key}={source}: {first_line(e).removeprefix(f'adapter {source}: ')}") from None
     except Exception as e:  # a registry that does not answer or lacks the version
-        raise UserInputError(f"model.init_adapter={source}: {first_line(e)}; give an adapter folder, a run name "
-                             f"under train.output_dir={cfg.train.output_dir}, or models:/NAME/VERSION") from None
-    check_init_adapter(source, folder, cfg.model, cfg.lora)
-    if not trained_on.same_as(Base(cfg.model.path, cfg.model.revision)):
-        warn(f"model.init_adapter={source} was trained on {trained_on}; this run's base is {cfg.model.path} (the "
-             "shapes agree)")
-    return read_adapter_weights(folder), file_sha256(folder / ADAPTER_WEIGHTS)
+        raise UserInputError(f"{key}={source}: {first_line(e)}; give an adapter folder, a run name under "
+                             f"train.output_dir={cfg.train.output_dir}, or models:/NAME/VERSION") from None
+    base = base or cfg.model
+    if not trained_on.same_as(Base(base.path, base.revision)):
+        warn(f"{key}={source} was trained on {trained_on}; it is loaded on {base.path} (the shapes agree)")
+    return folder
 
 
 def file_sha256(path) -> str:
@@ -124,7 +164,7 @@ def check_nf4_shapes(cfg: FinetuneConfig) -> None:
 
 def check_packing(model: ModelSection) -> None:
     """Packed rows must train each record as if it were alone: a tiny random copy of the model's architecture
-    shows whether (and how) they do (app/plan/packing_probe.py); where nothing keeps records apart, packing
+    shows whether (and how) they do (app/model/packing_probe.py); where nothing keeps records apart, packing
     is refused here, before any worker starts."""
     config = AutoConfig.from_pretrained(model.path, revision=model.revision, trust_remote_code=model.trust_remote_code)
     problem = packing_problem(config, model.attn_implementation, model.trust_remote_code)

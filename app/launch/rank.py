@@ -23,7 +23,7 @@ from app.launch.job import TrialLink, WorkerLaunch
 from app.launch.rollout_group import RayRollouts, local_scorer, ray_scorer
 from app.train.checkpoint import TrainerState
 from app.train.group import RankContext
-from app.train.ports import NoTracking
+from app.train.ports import NoTracking, RecipeParts
 from app.train.progress import StartupClock
 from app.train.recipe import FinetuneRecipe
 from app.train.side_by_side import SideBySideRecipe
@@ -126,16 +126,17 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
     else:
         tracker = NoTracking()
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
-    rollouts, scorer = grpo_sides(cfg, launch, ctx.rank)
+    rollouts, scorer = online_sides(cfg, launch, ctx.rank)
     try:
         checkpoints = RayCheckpoints(ctx.rank, ctx.world_size, launch.trial,
                                      # a sweep may stop a trial at any report: what it logged is sent first
                                      tracker.flush if launch.trial and ctx.is_main else None)
         recipe = SideBySideRecipe if cfg.adapters else FinetuneRecipe
-        recipe(plan, ctx, train_pass, eval_pass, tracker, checkpoints,
-               cfg.run_dir, launch.job_start_time, launch.source_names,
-               ray.get(launch.init_adapter) if launch.init_adapter is not None else None, startup,
-               pace=worker_hooks.step_pacing(), rollouts=rollouts, scorer=scorer).train()
+        parts = RecipeParts(tracker, checkpoints, cfg.run_dir, launch.job_start_time, startup, launch.source_names,
+                            ray.get(launch.init_adapter) if launch.init_adapter is not None else None,
+                            ray.get(launch.teacher) if launch.teacher is not None else None,
+                            worker_hooks.step_pacing(), rollouts, scorer)
+        recipe(plan, ctx, train_pass, eval_pass, parts).train()
     except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
         return
     finally:
@@ -145,14 +146,15 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
             tracker.close()
 
 
-def grpo_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:
-    """GRPO's rollouts (the actors the driver started) and reward scorer (in this worker, or as Ray tasks with
-    grpo.reward_workers) as this rank uses them; (None, None) for the other objectives."""
-    if not objective_of(cfg.train).samples_online:
+def online_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:
+    """An online objective's rollouts (the actors the driver started) as this rank uses them, and GRPO's reward
+    scorer (in this worker, or as Ray tasks with grpo.reward_workers); None for what the objective lacks."""
+    objective = objective_of(cfg.train)
+    if not objective.samples_online:
         return None, None
-    specs = cfg.grpo.reward_funcs
-    scorer = ray_scorer(specs, cfg.grpo.reward_workers) if cfg.grpo.reward_workers else local_scorer(specs)
-    return RayRollouts(list(launch.rollouts), rank, cfg.grpo.num_generations), scorer
+    specs, tasks = cfg.grpo.reward_funcs, cfg.grpo.reward_workers
+    scorer = (ray_scorer(specs, tasks) if tasks else local_scorer(specs)) if objective.rewarded else None
+    return RayRollouts(list(launch.rollouts), rank, cfg.rollout.num_generations), scorer
 
 
 def start_system_metrics(cfg: FinetuneConfig, run_id: str):

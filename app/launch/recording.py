@@ -39,6 +39,8 @@ def run_tags(cfg: FinetuneConfig, inputs: CheckedInputs) -> dict[str, str | None
         "data.source_keys": source_keys_tag(cfg),
         "init_adapter": cfg.model.init_adapter,
         "init_adapter_sha256": inputs.init_adapter_sha256 or "none",  # what a resume must start from too
+        "teacher_adapter": cfg.distill.teacher_adapter if inputs.teacher_sha256 else None,
+        "teacher_adapter_sha256": inputs.teacher_sha256,  # the teacher a registry alias named when the run began
     }
 
 

@@ -1,14 +1,14 @@
 """GRPO's rollout side on Ray: actors that sample answers, apart from the training workers, and reward scoring as
 Ray tasks beside them.
 
-The driver starts `grpo.rollout_workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
+The driver starts `rollout.workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
 each holding the frozen base once and an engine (app/train/rollout_engine.py) that decodes every rank's requests
 in one continuously refilled batch. Every rank's prompts of a step are shared out over all the actors (whole
 groups of answers each). After each optimizer step the training ranks gather the adapter's full weights from
 their FSDP2 shards and each rank puts them in the object store; its requests carry that reference, the step and
 the checksum the trainers computed, and an actor fetches the weights (a few MB, never the base) only when it does
 not hold them yet, and checks them before it samples. Each answer comes back with the step and checksum of the
-adapter that sampled it, which the trainer checks (app/train/rollouts.py). With grpo.max_staleness the actors
+adapter that sampled it, which the trainer checks (app/train/rollouts.py). With rollout.max_staleness the actors
 sample the next steps' prompts while the trainers train. An engine that hot-loads LoRA adapters (vLLM) could take
 an actor's place behind the same call, `sample`; this one is the project's own decoding loop over transformers'
 KV cache, which runs wherever the trainer does.
@@ -35,16 +35,16 @@ from app.train.vllm_sampler import VllmSampler
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class RolloutActor:
-    """One rollout worker: an engine over a Sampler (or vLLM, grpo.rollout_engine=vllm) on its own device (the
+    """One rollout worker: an engine over a Sampler (or vLLM, rollout.engine=vllm) on its own device (the
     name in the Ray dashboard's actor list), called from a thread per request. Ray restarts one that dies (a lost
     node); its first answer after that says so (rollout/actor_restarts), and the requests carry their adapter, so
     nothing is re-sent."""
 
     def __init__(self, cfg: FinetuneConfig):
-        torch.set_num_threads(max(1, int(cfg.grpo.rollout_cpus)))
+        torch.set_num_threads(max(1, int(cfg.rollout.cpus)))
         device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
-        sampler = VllmSampler(cfg, device) if cfg.grpo.rollout_engine == "vllm" else build_sampler(cfg, device)
-        self.engine = RolloutEngine(sampler, cfg.grpo)  # its adapter: each request's
+        sampler = VllmSampler(cfg, device) if cfg.rollout.engine == "vllm" else build_sampler(cfg, device)
+        self.engine = RolloutEngine(sampler, cfg.rollout)  # its adapter: each request's
         with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -61,14 +61,14 @@ class RolloutActor:
 
 
 def start_rollout_group(cfg: FinetuneConfig) -> list:
-    """The rollout actors, each reserving grpo.rollout_cpus CPUs and grpo.rollout_gpus GPUs, with a thread for
+    """The rollout actors, each reserving rollout.cpus CPUs and rollout.gpus GPUs, with a thread for
     every request the ranks may have open at once; returned once every one holds its model (a failure to build
     one is raised here, before the worker group starts). They sample nothing before the trainer's first request,
     which carries the adapter the run starts from (model.init_adapter's, or a checkpoint's)."""
-    grpo = cfg.grpo
-    requests = cfg.scaling.num_workers * (1 + grpo.max_staleness) + 1
-    actors = [RolloutActor.options(num_cpus=grpo.rollout_cpus, num_gpus=rollout_gpus_each(cfg),
-                                   max_concurrency=requests).remote(cfg) for _ in range(grpo.rollout_workers)]
+    rollout = cfg.rollout
+    requests = cfg.scaling.num_workers * (1 + rollout.max_staleness) + 1
+    actors = [RolloutActor.options(num_cpus=rollout.cpus, num_gpus=rollout_gpus_each(cfg),
+                                   max_concurrency=requests).remote(cfg) for _ in range(rollout.workers)]
     ray.get([actor.__ray_ready__.remote() for actor in actors])
     return actors
 

@@ -30,7 +30,8 @@ def build_trainer(job: Job, passes: dict, rollouts: list = ()) -> TorchTrainer:
                    if k in os.environ}
     launch = WorkerLaunch(job.plan, job.run_id, job.startup.job_start_time, passes[""],
                           source_names([s.location for s in inputs.train]), credentials,
-                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None, tuple(rollouts),
+                          ray.put(inputs.init_adapter) if inputs.init_adapter is not None else None,
+                          ray.put(inputs.teacher) if inputs.teacher is not None else None, tuple(rollouts),
                           job.trial, {name: coordinator for name, coordinator in passes.items() if name})
     resources = {"CPU": cfg.scaling.cpus_per_worker} | ({"GPU": 1} if cfg.scaling.use_gpu else {})
     return TorchTrainer(

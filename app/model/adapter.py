@@ -12,10 +12,10 @@ file and the model's parameters by PEFT's own `get_peft_model_state_dict`, the f
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,19 +27,27 @@ from app.model.sharding import local_region
 if TYPE_CHECKING:  # importable without pydantic: benchmarks/step.py runs on a bare GPU box
     from app.config.sections import LoraSection
 
-REFERENCE = "reference"  # the frozen copy of the starting adapter that DPO measures against
+REFERENCE = "reference"  # a frozen second adapter: DPO's starting adapter, or distillation's teacher
+
+
+@dataclass(frozen=True)
+class FrozenAdapter:
+    """The frozen second adapter a model carries beside the trained one: its LoRA settings and its saved weights."""
+
+    lora: LoraSection
+    weights: dict[str, torch.Tensor]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 # (base weight name, rows) -> those rows of the frozen weight, whole along every other dimension
 BaseRows = Callable[[str, slice], torch.Tensor]
 
 
-def apply_lora(base, lora: LoraSection | dict[str, LoraSection], seed: int, reference: bool = False):
+def apply_lora(base, lora: LoraSection | dict[str, LoraSection], seed: int, reference: LoraSection | None = None):
     """Wrap `base` in a PEFT LoRA model: base frozen, adapter weights in fp32. Its weights get their starting
     values afterwards (`init_lora_weights` or `load_adapter_weights`). `lora`: one adapter ("default"), or several
     by name (`adapters:`), all trainable, the first active (app/model/row_routing.py routes the forward). With
-    `reference`, a second adapter of the same shape, frozen and without dropout: DPO's reference when a run starts
-    from a trained adapter."""
+    `reference` (its LoRA settings), a second adapter, frozen and without dropout: DPO's reference when a run starts
+    from a trained adapter, or the teacher of on-policy distillation."""
     from peft import get_peft_model
 
     torch.manual_seed(seed)
@@ -52,8 +60,8 @@ def apply_lora(base, lora: LoraSection | dict[str, LoraSection], seed: int, refe
         for name, param in model.named_parameters():  # PEFT freezes the adapters added beside the active one
             if others and ".lora_" in name:
                 param.requires_grad_(True)
-        if reference:  # PEFT leaves an added adapter frozen while "default" is the active one
-            frozen = copy.deepcopy(config)
+        if reference is not None:  # PEFT leaves an added adapter frozen while "default" is the active one
+            frozen = peft_config(reference)
             frozen.lora_dropout, frozen.inference_mode = 0.0, True
             model.add_adapter(REFERENCE, frozen)
     return model

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from app.config.sections import LoraSection
 from app.errors import UserInputError, first_line
 from app.model.adapter import ADAPTER_WEIGHTS, saved_keys
 from app.model.build import build_meta_lora_model
@@ -23,10 +26,8 @@ _PLAIN_LORA = {"alpha_pattern": (None, {}), "rank_pattern": (None, {}), "modules
                "init_lora_weights": (None, True, False, "gaussian", "eva", "orthogonal")}
 
 
-def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
-    """Refuse, in one line, an adapter that does not fit this run: another kind than LoRA, other LoRA settings,
-    weights for other modules or shapes (another base, other target modules), pickled weights only."""
-    where = f"model.init_adapter={source}"
+def adapter_settings(folder: Path, where: str) -> dict:
+    """A saved PEFT LoRA adapter's adapter_config.json; one line naming `where` if it is none."""
     try:
         settings = json.loads((folder / "adapter_config.json").read_text())
         if not isinstance(settings, dict):
@@ -35,7 +36,29 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
         raise UserInputError(f"{where}: {folder / 'adapter_config.json'} is not a PEFT adapter config "
                              f"({first_line(e)})") from None
     if settings.get("peft_type", "LORA") != "LORA":
-        raise UserInputError(f"{where} is a {settings['peft_type']} adapter; only LoRA adapters can start a run")
+        raise UserInputError(f"{where} is a {settings['peft_type']} adapter; only LoRA adapters are loaded")
+    return settings
+
+
+def saved_lora_settings(folder: Path, where: str) -> LoraSection:
+    """The lora section a saved adapter was trained with (without dropout: it is loaded frozen)."""
+    settings = adapter_settings(folder, where)
+    targets = settings.get("target_modules")
+    try:
+        return LoraSection(r=settings.get("r", 8), alpha=settings.get("lora_alpha", 8), dropout=0.0,
+                           use_dora=bool(settings.get("use_dora")), use_rslora=bool(settings.get("use_rslora")),
+                           target_modules=sorted(targets) if isinstance(targets, list | set) else targets)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise UserInputError(f"{where}: its adapter_config.json holds settings this project cannot load (its "
+                             f"{first['loc'][0]}: {first['msg']})") from None
+
+
+def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg, key: str = "model.init_adapter") -> None:
+    """Refuse, in one line, an adapter that does not fit this run: another kind than LoRA, other LoRA settings,
+    weights for other modules or shapes (another base, other target modules), pickled weights only."""
+    where = f"{key}={source}"
+    settings = adapter_settings(folder, where)
     for saved, field in _LORA_FIELDS.items():
         ours = getattr(lora_cfg, field)
         if saved in settings and settings[saved] != ours:
@@ -45,7 +68,7 @@ def check_init_adapter(source: str, folder: Path, model_cfg, lora_cfg) -> None:
         if settings.get(saved) not in plain:
             raise UserInputError(f"{where} has {saved}={settings[saved]!r} in its adapter_config.json; only adapters "
                                  "with the lora section's settings alone (no per-module patterns, extra trained "
-                                 "modules, biases or base-rewriting initialisations) can start a run")
+                                 "modules, biases or base-rewriting initialisations) are loaded")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise UserInputError(f"{where}: no {ADAPTER_WEIGHTS} in {folder} (pickled adapter_model.bin weights are "
                              "not loaded); save the adapter with safe_serialization")

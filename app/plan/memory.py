@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from app.config.distill import teacher_model
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
 from app.model.hardware import has_fast_bf16
@@ -22,6 +24,7 @@ from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 from app.plan.dtypes import planned_dtypes
 
 GiB = 2**30
+TEACHER = "distillation teacher (frozen adapter, its logits)"
 ACTIVATIONS = "activations (estimate)"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -86,7 +89,22 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     plan.device["all-gathered parameters (compute dtype)"] = (gathered_layers * layer_bytes + root_params * compute
                                                               + dequantized)
     plan.device[ACTIVATIONS] = activation_bytes(model.config, cfg, compute, len(layers))
+    if objective_of(cfg.train).taught:
+        plan.device[TEACHER] = teacher_bytes(model.config, cfg, lora / shard, compute)
     return plan
+
+
+def teacher_bytes(config, cfg: FinetuneConfig, lora_shard: float, compute: int) -> float:
+    """Distillation's teacher beside the student: on the student's base its frozen adapter (sharded, fp32; counted
+    at the student's size, its own shape is read later by the driver), or a teacher of its own base whole in the
+    compute dtype; and the full-vocabulary loss over a micro-batch's prompt + answer: the teacher's logits and
+    log-probabilities (fp32, no gradient) and the divergence's own intermediates."""
+    from app.model.base import build_meta_base_model
+
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_seq_len + cfg.rollout.max_completion_tokens)
+    weights = lora_shard * 4 if cfg.distill.teacher is None else compute * sum(
+        p.numel() for p in build_meta_base_model(teacher_model(cfg.model, cfg.distill)).parameters())
+    return weights + tokens * config.vocab_size * 4 * 5
 
 
 def with_activations_of(plan: MemoryPlan, cfg: FinetuneConfig) -> MemoryPlan:

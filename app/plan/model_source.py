@@ -24,6 +24,18 @@ def model_folder_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
             Decision("model.gguf_file", None))
 
 
+def teacher_folder_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
+    """distill.teacher, a model of its own, as an ordinary folder too (a GGUF file dequantized, a packaged model
+    built)."""
+    teacher = cfg.distill.teacher
+    if teacher is None:
+        return ()
+    ensure_packaged(teacher)
+    folder = dequantized_folder(teacher, None, key="distill.teacher")
+    return () if folder == teacher else (Decision("distill.teacher", folder, f"{folder} (the dequantized folder "
+                                                                             f"of {teacher})"),)
+
+
 def hub_revision_decision(cfg: FinetuneConfig) -> tuple[Decision, ...]:
     """A hub model's revision (a branch, a tag, or none: main) resolved to its commit here, in the driver:
     every worker then loads the same weights even if the branch moves during the run, the run is tagged

@@ -74,7 +74,7 @@ class Plan:
 
     def rows_per_batch(self, workers: int) -> int:
         """Rows of the training data a rank takes at a time (the objective's Objective.rows_per_batch)."""
-        return objective_of(self.cfg.train).rows_per_batch(self.cfg.train, self.cfg.grpo, workers)
+        return objective_of(self.cfg.train).rows_per_batch(self.cfg.train, self.cfg.rollout, workers)
 
 
 def applied(requested: FinetuneConfig, decisions: tuple[Decision, ...]) -> FinetuneConfig:

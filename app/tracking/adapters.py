@@ -89,7 +89,8 @@ def base_of(adapter: Path, source: str = "") -> Base:
         model = yaml.safe_load(recorded.read_text())["model"]
         path, revision = model["path"], model.get("revision")
     else:
-        path, revision = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"], None
+        settings = json.loads((adapter / "adapter_config.json").read_text())
+        path, revision = settings.get("base_model_name_or_path") or "an unnamed base", None
     sha256 = None
     if source.startswith("models:/"):
         import mlflow

@@ -160,6 +160,7 @@ def reopen_run(tracking_uri: str, run_id: str, job_tags: dict[str, str | None], 
         raise UserInputError(f"--resume: the run trained {tags.get('base_model')} at revision {started_with}, and "
                              f"model.revision now resolves to {revision}; set model.revision={started_with}")
     check_same_init_adapter(tags, job_tags.get("init_adapter"), job_tags.get("init_adapter_sha256"))
+    check_same_teacher(tags, job_tags.get("teacher_adapter"), job_tags.get("teacher_adapter_sha256"))
     resumes = int(tags.get("resumes", "0")) + 1
     client.update_run(run_id, status="RUNNING")
     tags = {"resumes": str(resumes)} | {k: v for k, v in job_tags.items() if k.startswith("ray.") and v}
@@ -177,6 +178,18 @@ def check_same_init_adapter(run_tags: dict[str, str], source: str | None, sha256
            else "model.init_adapter is not set")
     raise UserInputError(f"--resume: the run started from {was}, and {now}: it would train (and measure against) "
                          "another adapter; point model.init_adapter at the one it started from")
+
+
+def check_same_teacher(run_tags: dict[str, str], source: str | None, sha256: str | None) -> None:
+    """A resumed distillation learns from the teacher its first attempt did, whatever distill.teacher_adapter
+    names now (an alias moved to a newer champion, a folder written over)."""
+    started = run_tags.get("teacher_adapter_sha256")
+    if started is None or started == sha256:
+        return
+    raise UserInputError(f"--resume: the run learned from {run_tags.get('teacher_adapter')} (sha256 {started[:12]}), "
+                         f"and distill.teacher_adapter={source} gives {(sha256 or 'no adapter')[:12]}: it would "
+                         "learn from another teacher; point distill.teacher_adapter at the one it started with "
+                         "(models:/NAME/VERSION)")
 
 
 JOB_TO_RUN_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}

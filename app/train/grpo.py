@@ -6,12 +6,12 @@ Each completion token t of an answer with advantage A contributes
 
     loss_t = -w_t min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t
     r_t = exp(logp_t - old_logp_t),  kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-    w_t = min(exp(old_logp_t - sampler_logp_t), importance_cap)   (grpo.importance_correction: tis; else 1)
+    w_t = min(exp(old_logp_t - sampler_logp_t), importance_cap)   (rollout.importance_correction: tis; else 1)
 
 where logp is the policy's log-probability of the sampled token (logits divided by the sampling temperature),
 old_logp the trainer's policy's before this batch's first update (at the first optimizer step on fresh answers:
 logp itself, detached, so r = 1), sampler_logp the rollout side's as it sampled the token (an adapter up to
-grpo.max_staleness steps older, or another numeric path), and ref the reference's. w is truncated importance
+rollout.max_staleness steps older, or another numeric path), and ref the reference's. w is truncated importance
 sampling (Yao et al., 2025: "Your efficient RL framework secretly brings you off-policy RL training"), detached:
 a token the sampler found likelier than the trainer does counts less, one it found less likely counts more, up
 to the cap. The loss of the global batch normalises the token losses by loss_type:

@@ -22,7 +22,7 @@ from torch import nn
 
 from app.data.chat import IGNORE_INDEX
 from app.errors import warn_once
-from app.plan.packing_probe import packed_row_inputs
+from app.model.packing_probe import packed_row_inputs
 
 
 def target_token_count(labels: torch.Tensor) -> torch.Tensor:

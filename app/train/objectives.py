@@ -7,6 +7,13 @@ dpo  Direct Preference Optimization over (chosen, rejected) pairs (app/train/dpo
 grpo Group Relative Policy Optimization over sampled, scored answers (app/train/grpo.py, the batches from
      app/train/rollouts.py), normalised by grpo.loss_type's count; evaluation: the rewards of greedy answers to
      the eval prompts (app/train/reward_eval.py).
+distill on-policy distillation: the divergence from a teacher at every token of sampled answers
+     (app/train/distill.py), normalised by the global batch's answer tokens; evaluation: the task metrics of
+     greedy answers and their divergence from the teacher.
+
+Each is a class here (TRAINERS, by the name its row in app/config/objectives.py gives), with the same calls: its
+normaliser, a micro-batch's loss and figures, its evaluation, and the frozen adapter that rides beside the trained
+one (reference_adapter).
 
 Either way a micro-batch's loss is scaled so that its sum over micro-batches and ranks is the mean over the
 whole global batch: 1 and N workers take the same step.
@@ -19,9 +26,12 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import EvalSection
 from app.data.chat import IGNORE_INDEX
+from app.model.adapter import FrozenAdapter
+from app.train.distill import Distillation
 from app.train.dpo import METRICS, global_pair_count, metrics_from_sums, real_pairs, scaled_micro_batch_dpo_loss
 from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
 from app.train.generation import generation_table
@@ -71,10 +81,12 @@ class NextToken(AnswersOnRequest):
 
     metric_names: tuple[str, ...] = ()
     normaliser_name = "step_target_tokens"
-    has_reference = False  # no reference model
 
     def __init__(self, cfg: FinetuneConfig):
         self.chunk_tokens, self.eval_cfg = cfg.train.loss_chunk_tokens, cfg.eval
+
+    def reference_adapter(self, init_adapter: dict | None, teacher: FrozenAdapter | None) -> FrozenAdapter | None:
+        return None
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         return global_target_tokens(micro_batches)
@@ -103,10 +115,12 @@ class Preference(AnswersOnRequest):
 
     metric_names = METRICS
     normaliser_name = "step_pairs"
-    has_reference = True
 
     def __init__(self, cfg: FinetuneConfig):
-        self.dpo, self.chunk_tokens, self.eval_cfg = cfg.dpo, cfg.train.loss_chunk_tokens, cfg.eval
+        self.cfg, self.dpo, self.chunk_tokens, self.eval_cfg = cfg, cfg.dpo, cfg.train.loss_chunk_tokens, cfg.eval
+
+    def reference_adapter(self, init_adapter: dict | None, teacher: FrozenAdapter | None) -> FrozenAdapter | None:
+        return starting_adapter_as_reference(self.cfg, init_adapter)
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         return global_pair_count(micro_batches)
@@ -142,12 +156,15 @@ class GroupRelative:
     answers_artifact = "eval/completions.json"  # its evaluation is greedy answers to every eval prompt, scored
     answers_hold_every_eval_row = True
 
-    def __init__(self, cfg: FinetuneConfig, scorer: Scorer | None):
-        self.grpo, self.eval_cfg, self.scorer = cfg.grpo, cfg.eval, scorer
+    def __init__(self, cfg: FinetuneConfig, scorer: Scorer | None = None):
+        self.cfg, self.grpo, self.rollout, self.eval_cfg, self.scorer = cfg, cfg.grpo, cfg.rollout, cfg.eval, scorer
         self.chunk_tokens = cfg.train.loss_chunk_tokens
         self.has_reference = cfg.grpo.beta > 0
         self.normaliser_name = "step_completion_tokens" if cfg.grpo.loss_type == "dapo" else "step_completions"
         self.answers: dict[str, list] | None = None
+
+    def reference_adapter(self, init_adapter: dict | None, teacher: FrozenAdapter | None) -> FrozenAdapter | None:
+        return starting_adapter_as_reference(self.cfg, init_adapter) if self.has_reference else None
 
     def normaliser(self, micro_batches: list[dict]) -> torch.Tensor:
         """The global batch's completion tokens (dapo) or answers (grpo, dr_grpo): one all-reduce. At least 1, as
@@ -160,19 +177,19 @@ class GroupRelative:
         return count.clamp(min=1.0)
 
     def micro_batch_loss(self, model, batch: dict, normaliser: torch.Tensor, world_size: int):
-        grpo = self.grpo
-        logps, entropy = sampled_token_logps(model, batch, self.chunk_tokens, grpo.temperature)
+        grpo, rollout = self.grpo, self.rollout
+        logps, entropy = sampled_token_logps(model, batch, self.chunk_tokens, rollout.temperature)
         on = lambda key: batch[key].to(logps.device)
         old = on("old_logps") if "old_logps" in batch else logps.detach()  # first step on these answers: r = 1
         sampler = on("sampler_logps")
-        tis = grpo.importance_correction == "tis"
-        weights = importance_weights(old, sampler, grpo.importance_cap) if tis else None
+        tis = rollout.importance_correction == "tis"
+        weights = importance_weights(old, sampler, rollout.importance_cap) if tis else None
         terms = token_terms(logps, old, on("advantages"), grpo.epsilon, grpo.clip_high, grpo.beta,
                             on("ref_logps") if grpo.beta else None, weights)
         mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(logps.device)
-        loss_sum = summed_loss(terms[0], mask, grpo.loss_type, grpo.max_completion_tokens)
+        loss_sum = summed_loss(terms[0], mask, grpo.loss_type, rollout.max_completion_tokens)
         return loss_sum * (world_size / normaliser), loss_sum.detach(), metric_sums(
-            terms, mask, entropy, logps, sampler, old, grpo.importance_cap)
+            terms, mask, entropy, logps, sampler, old, rollout.importance_cap)
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         return figures_from_sums(sums, self.grpo.beta)
@@ -180,11 +197,23 @@ class GroupRelative:
     def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
         """The rewards (and task metrics) of greedy answers to every eval prompt; the answers' table is kept."""
         figures, self.answers = evaluate_rewards(model, eval_pass, tokenizer, ctx.device, self.scorer, self.grpo,
-                                                    self.eval_cfg)
+                                                 self.rollout, self.eval_cfg)
         return figures
 
 
-def objective_for(cfg: FinetuneConfig, scorer: Scorer | None = None) -> NextToken | Preference | GroupRelative:
-    if cfg.train.objective == "grpo":
-        return GroupRelative(cfg, scorer)
-    return Preference(cfg) if cfg.train.objective == "dpo" else NextToken(cfg)
+TRAINERS = {trainer.__name__: trainer for trainer in (NextToken, Preference, GroupRelative, Distillation)}
+
+
+def objective_for(cfg: FinetuneConfig, scorer: Scorer | None = None):
+    """train.objective's class (its row's `trainer`, app/config/objectives.py), built for this run."""
+    row = objective_of(cfg.train)
+    if row.trainer not in TRAINERS:
+        raise ValueError(f"train.objective={row.name}: its row names the class {row.trainer}, which "
+                         "app/train/objectives.py's TRAINERS lacks")
+    return TRAINERS[row.trainer](cfg, scorer) if row.rewarded else TRAINERS[row.trainer](cfg)
+
+
+def starting_adapter_as_reference(cfg: FinetuneConfig, init_adapter: dict[str, torch.Tensor] | None):
+    """A run that starts from model.init_adapter measures against it (DPO, GRPO's KL): a frozen copy beside the
+    trained adapter. Without one, the reference is the base with the adapter off: no second adapter."""
+    return FrozenAdapter(cfg.lora, init_adapter) if init_adapter is not None else None

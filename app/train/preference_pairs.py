@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.config.grpo import GrpoSection
+from app.config.rollout import RolloutSection
 from app.data.prompts import prompt_ids
 from app.train.rewards import score
 from app.train.sampling import Sampler
 
 
-def answers(sampler: Sampler, tokenizer, records: list[dict], grpo: GrpoSection, seed: int,
+def answers(sampler: Sampler, tokenizer, records: list[dict], rollout: RolloutSection, seed: int,
             problems_per_batch: int = 8) -> list[list[str]]:
-    """grpo.num_generations sampled answers (text) to each record's prompt."""
+    """rollout.num_generations sampled answers (text) to each record's prompt."""
     texts: list[list[str]] = []
     for start in range(0, len(records), problems_per_batch):
         batch = records[start:start + problems_per_batch]
-        done = sampler.sample([prompt_ids(tokenizer, r) for r in batch], grpo, seed + start)
+        done = sampler.sample([prompt_ids(tokenizer, r) for r in batch], rollout, seed + start)
         decoded = [tokenizer.decode(c.ids, skip_special_tokens=True).strip() for c in done]
-        texts += [decoded[i * grpo.num_generations:(i + 1) * grpo.num_generations] for i in range(len(batch))]
+        texts += [decoded[i * rollout.num_generations:(i + 1) * rollout.num_generations] for i in range(len(batch))]
     return texts
 
 

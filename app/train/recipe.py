@@ -35,7 +35,6 @@ from app.model.build import build_training_model
 from app.model.dropout import key_lora_dropout
 from app.model.sharding import build_device_mesh, full_grad_norm, trainable_parameters
 from app.plan.plan import Plan
-from app.runs.layout import RunDir
 from app.train.checkpoint import (
     TrainerState,
     gather_trainable_state,
@@ -51,46 +50,38 @@ from app.train.group import RankContext, max_over_ranks
 from app.train.measured import measured_on_workers, measured_params
 from app.train.objectives import objective_for
 from app.train.optimizer import build_optimizer, follow_config
-from app.train.ports import CheckpointStore, NoTracking, Tracker
+from app.train.ports import NoTracking, RecipeParts
 from app.train.preemption import DrainNotice
 from app.train.progress import Progress, StartupClock, ThroughputMeter, peak_memory_gb
-from app.train.rollouts import Rollouts, RolloutStream, Scorer
+from app.train.rollouts import RolloutStream
 
 
 class FinetuneRecipe:
     """Train until `train.max_steps` optimizer steps are done, the same number on every rank, or until
     `train.early_stopping_patience` evaluations in a row have not beaten the best one.
 
-    Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run).
-    `job_start_time` (wall clock) lets the first step report how long the whole job took to reach it.
-    With several `source_names` (a data mixture), batches carry each row's records per source, and the share of
-    records each source has given so far is logged as `data_share/<name>`. `init_adapter` (model.init_adapter's
-    weights) is where the adapter starts, and with DPO the reference it is measured against. `startup`: the
-    start-up clock the worker began (its points before this recipe existed), else one from now on.
+    Starts from the latest checkpoint when there is one (a restarted worker group or a resumed run). What else
+    it is handed is one RecipeParts.
     """
 
-    def __init__(self, plan: Plan, ctx: RankContext, train_pass: RankPass,
-                 eval_pass: Callable[[], Iterable], tracker: Tracker | None = None,
-                 checkpoints: CheckpointStore | None = None, run_dir: RunDir | None = None,
-                 job_start_time: float | None = None, source_names: tuple[str, ...] = (),
-                 init_adapter: dict[str, torch.Tensor] | None = None, startup: StartupClock | None = None,
-                 pace: Callable[[int], None] | None = None, rollouts: Rollouts | None = None,
-                 scorer: Scorer | None = None):
+    def __init__(self, plan: Plan, ctx: RankContext, train_pass: RankPass, eval_pass: Callable[[], Iterable],
+                 parts: RecipeParts | None = None):
         self.plan, self.ctx, self.train_pass, self.eval_pass = plan, ctx, train_pass, eval_pass
         self.cfg = cfg = plan.cfg  # what the workers measure is decided in build_model()
-        self.tracker = tracker or NoTracking()
-        self.checkpoints, self.run_dir = checkpoints, run_dir
-        self.job_start_time = job_start_time or time.time()
+        parts = parts or RecipeParts()
+        self.tracker = parts.tracker or NoTracking()
+        self.checkpoints, self.run_dir = parts.checkpoints, parts.run_dir
+        self.job_start_time = parts.job_start_time or time.time()
         self.started = time.perf_counter()
         self.meter = ThroughputMeter()
-        self.startup = startup or StartupClock(self.job_start_time, memory=True)  # the worker's, if it began one
+        self.startup = parts.startup or StartupClock(self.job_start_time, memory=True)
         self.time_to_first_step = float("nan")  # job start to this attempt's first step (none if none is left)
-        self.source_names = source_names if len(source_names) > 1 else ()
-        self.objective = objective_for(cfg, scorer)
-        self.rollouts, self.scorer = rollouts, scorer  # GRPO's rollout side and reward scorer
+        self.source_names = parts.source_names if len(parts.source_names) > 1 else ()
+        self.objective = objective_for(cfg, parts.scorer)
+        self.rollouts, self.scorer = parts.rollouts, parts.scorer
+        self.init_adapter, self.teacher = parts.init_adapter, parts.teacher  # copied into the shards by build_model
+        self.pace = parts.pace
         self.rows_per_source = torch.zeros(len(self.source_names), dtype=torch.float64)
-        self.init_adapter = init_adapter  # model.init_adapter's weights, read by the driver
-        self.pace = pace  # a hook's slower steps (app/launch/worker_hooks.py: the resilience tests'); else None
         self.notice = DrainNotice()
         self.loop_seconds = self.save_seconds = 0.0  # the last step's (all of it) and checkpoint's, for a drain
         self.last_drain_check = time.perf_counter()
@@ -151,8 +142,8 @@ class FinetuneRecipe:
         self.model = build_training_model(cfg.model, cfg.trained_lora(), cfg.fsdp,
                                           build_device_mesh(ctx.device.type, cfg.scaling.mesh_shape(ctx.world_size)),
                                           cfg.train.seed, ctx.device, self.init_adapter,
-                                          reference=self.objective.has_reference and self.init_adapter is not None)
-        self.init_adapter = None  # copied into the shards
+                                          self.objective.reference_adapter(self.init_adapter, self.teacher))
+        self.init_adapter = self.teacher = None  # copied into the shards
         self.dropout_key = key_lora_dropout(self.model)
         self.params = trainable_parameters(self.model)
         self.optimizer, self.scheduler = self.build_optimizer()

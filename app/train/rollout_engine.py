@@ -1,6 +1,6 @@
 """What a rollout actor runs: one decoding loop, in a thread of its own, over the requests of every training rank
 that reaches it. Requests of the same adapter share the engine's batch (app/engine/: a rank's answers join the rows
-of another rank's still being decoded, and with grpo.rollout_batch_rows a finished answer's row goes to the next
+of another rank's still being decoded, and with rollout.batch_rows a finished answer's row goes to the next
 waiting answer).
 
 Every request names the adapter step it must be sampled with and carries that adapter (fetched only when the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.config.grpo import GrpoSection
+from app.config.rollout import RolloutSection
 from app.engine.sequence import Sequence
 from app.train.sampling import Sampled, Sampler, seeded_answers
 
@@ -45,10 +45,10 @@ class Request:
 
 
 class RolloutEngine:
-    def __init__(self, sampler: Sampler, grpo: GrpoSection):
-        self.sampler, self.grpo, self.core = sampler, grpo, sampler.core
+    def __init__(self, sampler: Sampler, rollout: RolloutSection):
+        self.sampler, self.rollout, self.core = sampler, rollout, sampler.core
         if self.core is not None:
-            self.core.max_rows = grpo.rollout_batch_rows or 1 << 16
+            self.core.max_rows = rollout.batch_rows or 1 << 16
         self.changed = threading.Condition()
         self.waiting: list[Request] = []  # requests not started, in arrival order
         self.running: list[Request] = []  # requests whose answers are decoding (all of the adapter held)
@@ -60,14 +60,14 @@ class RolloutEngine:
 
     def sample(self, prompts: list[list[int]], seed: int, first: int, version: int, checksum: str,
                weights: Callable[[], dict[str, torch.Tensor]]) -> Sampled:
-        """grpo.num_generations answers to each prompt with the adapter of step `version` (its weights fetched by
+        """rollout.num_generations answers to each prompt with the adapter of step `version` (its weights fetched by
         `weights` if the engine does not hold it), the i-th seeded by its place `first + i` in the caller's
         request; raises why that adapter was refused."""
         if self.core is None:  # transformers' generate: one request at a time
             with self.serial:
                 self.hold(version, checksum, weights)
-                return Sampled(self.sampler.sample(prompts, self.grpo, seed, first), version, checksum)
-        answers = seeded_answers(prompts, self.grpo, seed, first, self.sampler.adapter)
+                return Sampled(self.sampler.sample(prompts, self.rollout, seed, first), version, checksum)
+        answers = seeded_answers(prompts, self.rollout, seed, first, self.sampler.adapter)
         with self.changed:
             if self.broken is not None:
                 raise RuntimeError(f"the rollout engine stopped: {self.broken!r}")

@@ -1,5 +1,5 @@
-"""The batches of a GRPO step: this rank's prompts, answers sampled by the rollout side, scored by the reward
-functions, their advantages, as micro-batches of the trainer's rows.
+"""The batches of an online objective's step (GRPO, distillation): this rank's prompts, answers sampled by the
+rollout side (with GRPO, scored by the reward functions: their advantages), as micro-batches of the trainer's rows.
 
 At the first micro-batch of a step with no rollouts left, the stream gathers the adapter's full weights from the
 FSDP2 shards (a collective: every rank is at the same step) and hands them to the rollout side, which swaps them
@@ -56,14 +56,14 @@ class LocalRollouts:
     """A Sampler in the trainer's process, one per rank (the unit tests; what a rollout actor wraps in a job):
     it samples at submit, so nothing overlaps."""
 
-    def __init__(self, sampler: Sampler, grpo):
-        self.sampler, self.grpo = sampler, grpo
+    def __init__(self, sampler: Sampler, rollout):
+        self.sampler, self.rollout = sampler, rollout
 
     def sync(self, weights: dict[str, torch.Tensor], version: int, checksum: str) -> None:
         self.sampler.load_adapter(weights, version, checksum)
 
     def submit(self, prompts: list[list[int]], seed: int, version: int) -> Callable[[], Sampled]:
-        sampled = self.sampler.sample_with(prompts, self.grpo, seed, version)
+        sampled = self.sampler.sample_with(prompts, self.rollout, seed, version)
         return lambda: sampled
 
 
@@ -89,7 +89,7 @@ class RolloutStream:
     """Micro-batches of scored answers for the recipe's steps (an iterator, as the SFT stream is). `step_of()`
     says how many optimizer steps the run has taken.
 
-    With grpo.max_staleness k > 0 the next k steps' prompts go to the rollout side right after each sync, with the
+    With rollout.max_staleness k > 0 the next k steps' prompts go to the rollout side right after each sync, with the
     adapter just sent, and are sampled there while this rank trains (`ahead`): a batch trains at most k steps after
     the adapter that sampled it. Every batch's adapter is checked: its step and checksum must be what this rank
     sent, else the run stops (a lost or corrupted sync); one sampled more than k steps ago is sampled again."""
@@ -107,6 +107,8 @@ class RolloutStream:
         self.restarts = 0  # rollout actors Ray restarted, as their answers said, this attempt
         self.totals = {"completions": 0.0, "generated_tokens": 0.0, "idle_seconds": 0.0, "seconds": 0.0}
         self.warmed_up = False  # an attempt's first step (its warm-up) is left out of the totals
+        # GRPO's (DAPO's) choice: a cut-off answer's reward says little; a teacher scores every token of any answer
+        self.masks_truncated = scorer is not None and cfg.grpo.mask_truncated_completions
 
     @property
     def pass_index(self) -> int:
@@ -166,44 +168,54 @@ class RolloutStream:
         self.sent = dict(state.get("sent", {}))
 
     def refill(self) -> None:
-        """The next batch of rollouts: the adapter synced, answers sampled (or taken from those sampled ahead) and
-        scored, rows built."""
-        step, grpo = self.step_of(), self.cfg.grpo
+        """The next batch of rollouts: the adapter synced, answers sampled (or taken from those sampled ahead),
+        scored where rewards score them (GRPO: their advantages), rows built."""
+        step, rollout = self.step_of(), self.cfg.rollout
         started = time.perf_counter()
         sync_bytes = self.sync(step)
         synced = time.perf_counter()
         batch, sampled = self.next_rollouts(step)
         completions = sampled.completions
         sampled_at = time.perf_counter()
-        prompts = prompt_lists(batch)
-        records = [record for record in (json.loads(r) for r in batch["record"]) for _ in range(grpo.num_generations)]
-        per_function = self.score(records, completions)
+        real = torch.as_tensor(batch["is_prompt"]).repeat_interleave(rollout.num_generations).bool()
+        advantages, figures = self.scored(batch, completions, real)
         scored = time.perf_counter()
-        real = torch.as_tensor(batch["is_prompt"]).repeat_interleave(grpo.num_generations).bool()
-        stats = reward_statistics(per_function, combined(per_function, grpo.weights), completions, real, grpo)
-        rewards = torch.as_tensor(combined(per_function, grpo.weights), dtype=torch.float64)
-        advantages, zero_std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards,
-                                                torch.tensor(stats["reward_std"], dtype=torch.float64))
-        sources = torch.as_tensor(batch["records"]).repeat_interleave(grpo.num_generations, 0) \
+        sources = torch.as_tensor(batch["records"]).repeat_interleave(rollout.num_generations, 0) \
             if "records" in batch else None  # each answer counts for its prompt's source (data_share/<name>)
-        micro_batches = self.micro_batches(prompts, completions, advantages.float(), real, sources)
-        self.buffer = [mb for _ in range(grpo.num_iterations) for mb in micro_batches]
-        self.figures = stats | {"frac_reward_zero_std": frac_over_ranks(zero_std[real], real.sum())} | {
+        micro_batches = self.micro_batches(prompt_lists(batch), completions, advantages, real, sources)
+        self.buffer = [mb for _ in range(self.cfg.grpo.num_iterations) for mb in micro_batches]
+        self.figures = figures | {
             "rollout/sync_bytes": sync_bytes, "rollout/sync_seconds": synced - started,
             "rollout/generate_seconds": sampled_at - synced, "rollout/score_seconds": scored - sampled_at,
             "rollout/prepare_seconds": time.perf_counter() - scored} | self.sampling_figures(step, sampled)
+
+    def scored(self, batch: dict, completions: list[Completion], real: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Each answer's advantage and the batch's figures: with a scorer (GRPO), its rewards compared within each
+        prompt's group, and TRL's reward figures; without (distillation: the teacher scores every token in the
+        loss), no advantage, the answers' lengths."""
+        if self.scorer is None:
+            return torch.zeros(len(completions)), completion_statistics(completions, real)
+        grpo, group = self.cfg.grpo, self.cfg.rollout.num_generations
+        records = [record for record in (json.loads(r) for r in batch["record"]) for _ in range(group)]
+        per_function = self.score(records, completions)
+        rewards = combined(per_function, grpo.weights)
+        stats = reward_statistics(per_function, rewards, completions, real, grpo)
+        advantages, zero_std = group_advantages(torch.as_tensor(rewards, dtype=torch.float64), group,
+                                                grpo.scale_rewards, torch.tensor(stats["reward_std"],
+                                                                                 dtype=torch.float64))
+        return advantages.float(), stats | {"frac_reward_zero_std": frac_over_ranks(zero_std[real], real.sum())}
 
     def next_rollouts(self, step: int) -> tuple[dict, Sampled]:
         """This step's prompts and their answers, checked: those sampled ahead if no more than max_staleness steps
         old, else sampled now; then the next steps' prompts handed to the rollout side with the adapter of `step`."""
         if self.ahead:
             batch, version, handle = self.ahead.pop(0)
-            if step - version > self.cfg.grpo.max_staleness:  # a resumed run that now allows less: sampled anew
+            if step - version > self.cfg.rollout.max_staleness:  # a resumed run that now allows less: sampled anew
                 version, handle = step, self.submit(batch, step, step)
         else:
             batch = next(self.prompts)
             version, handle = step, self.submit(batch, step, step)
-        while len(self.ahead) < self.cfg.grpo.max_staleness:
+        while len(self.ahead) < self.cfg.rollout.max_staleness:
             later = next(self.prompts)
             self.ahead.append((later, step, self.submit(later, step + 1 + len(self.ahead), step)))
         return batch, self.verified(handle(), version, step)
@@ -218,7 +230,7 @@ class RolloutStream:
         """The answers, if the adapter that sampled them is the one asked for, sent by this rank, and no more than
         max_staleness steps old; else the run stops."""
         self.restarts += sampled.restarts
-        fresh = step - sampled.version <= self.cfg.grpo.max_staleness
+        fresh = step - sampled.version <= self.cfg.rollout.max_staleness
         if (sampled.completions is None or not fresh or self.sent.get(sampled.version) != sampled.checksum
                 or sampled.version != asked):
             raise RuntimeError(f"rank {self.rank}: the rollout side answered with the adapter of step "
@@ -252,7 +264,7 @@ class RolloutStream:
         self.rollouts.sync(weights, step, checksum)
         self.synced_step = step
         self.sent = {version: sent for version, sent in self.sent.items()
-                     if step - version <= self.cfg.grpo.max_staleness} | {step: checksum}
+                     if step - version <= self.cfg.rollout.max_staleness} | {step: checksum}
         return float(sum(t.numel() * t.element_size() for t in weights.values()))
 
     def score(self, records: list[dict], completions: list[Completion]) -> np.ndarray:
@@ -264,14 +276,14 @@ class RolloutStream:
                       real: torch.Tensor, sources: torch.Tensor | None = None) -> list[dict]:
         """The rows of prompt + answer in micro-batches of train.micro_batch_size, each as wide as its longest
         row: labels on the answer's tokens (none for a stand-in prompt, or a truncated answer with
-        grpo.mask_truncated_completions), the sampler's log-probabilities, the advantage; the policy's and the
+        grpo.mask_truncated_completions, GRPO's), the sampler's log-probabilities, the advantage; the policy's and the
         reference's log-probabilities where the loss needs them (grpo.num_iterations > 1, grpo.beta)."""
-        grpo, size = self.cfg.grpo, self.cfg.train.micro_batch_size
-        answered = [(prompts[i // grpo.num_generations], c) for i, c in enumerate(completions)]
+        rollout, size = self.cfg.rollout, self.cfg.train.micro_batch_size
+        answered = [(prompts[i // rollout.num_generations], c) for i, c in enumerate(completions)]
         batches = []
         for start in range(0, len(answered), size):
             rows = answered[start:start + size]
-            trains = [bool(r) and not (grpo.mask_truncated_completions and c.truncated)
+            trains = [bool(r) and not (self.masks_truncated and c.truncated)
                       for r, (_, c) in zip(real[start:start + size].tolist(), rows)]
             batch = completion_rows(rows, trains, pad_id(self.tokenizer))
             batch |= {"advantages": advantages[start:start + size], "real": real[start:start + size].float()}
@@ -284,14 +296,14 @@ class RolloutStream:
     def with_logps(self, batch: dict) -> dict:
         """The old policy's (num_iterations > 1) and the reference's (beta > 0) log-probabilities of the answer's
         tokens, computed by the trainer's model before any update (a collective forward, as every rank does)."""
-        grpo, chunk = self.cfg.grpo, self.cfg.train.loss_chunk_tokens
+        grpo, rollout, chunk = self.cfg.grpo, self.cfg.rollout, self.cfg.train.loss_chunk_tokens
         device = next(self.model.parameters()).device
         inputs = {k: batch[k].to(device) for k in ("input_ids", "labels")}
         if grpo.num_iterations > 1:
-            batch["old_logps"] = sampled_token_logps(self.model, inputs, chunk, grpo.temperature)[0].cpu()
+            batch["old_logps"] = sampled_token_logps(self.model, inputs, chunk, rollout.temperature)[0].cpu()
         if grpo.beta:
             with reference_switch(self.model):
-                batch["ref_logps"] = sampled_token_logps(self.model, inputs, chunk, grpo.temperature)[0].cpu()
+                batch["ref_logps"] = sampled_token_logps(self.model, inputs, chunk, rollout.temperature)[0].cpu()
         return batch
 
 
@@ -320,29 +332,44 @@ def completion_rows(rows: list[tuple[list[int], Completion]], trains: list[bool]
 def reward_statistics(per_function: np.ndarray, rewards: np.ndarray, completions: list[Completion],
                       real: torch.Tensor, grpo) -> dict[str, float]:
     """TRL's figures of a batch of rollouts over every rank's answers: reward and reward_std, each function's
-    rewards/<name>/mean and /std (NaN ones left out), completions/mean_length and /clipped_ratio. One all-reduce
-    of sums (a std from the sum of squares, Bessel-corrected as TRL's)."""
+    rewards/<name>/mean and /std (NaN ones left out), and completion_statistics'. One all-reduce of sums (a std
+    from the sum of squares, Bessel-corrected as TRL's)."""
     keep = real.numpy()
-    columns = [rewards] + [per_function[:, i] for i in range(per_function.shape[1])]
     sums = []
-    for values in columns:
+    for values in [rewards] + [per_function[:, i] for i in range(per_function.shape[1])]:
         valid = values[keep & ~np.isnan(values)]
         sums += [valid.sum(), (valid ** 2).sum(), len(valid)]
-    lengths = np.array([len(c.ids) for c in completions])[keep]
-    clipped = np.array([c.truncated for c in completions])[keep]
-    sums += [lengths.sum(), clipped.sum(), keep.sum()]
-    totals = torch.tensor(sums, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    *moments, length_sum, clipped_sum, answers = totals.tolist()
+    *moments, length_sum, clipped_sum, answers = summed_over_ranks(sums + completion_sums(completions, keep))
     names = ["reward"] + [f"rewards/{reward_name(spec)}" for spec in grpo.reward_funcs]
     figures = {}
     for name, (total, squares, count) in zip(names, (moments[i:i + 3] for i in range(0, len(moments), 3))):
         mean = total / count if count else float("nan")
         std = ((squares - count * mean ** 2) / (count - 1)) ** 0.5 if count > 1 else float("nan")
         figures |= {name: mean, f"{name}_std": std} if name == "reward" else {f"{name}/mean": mean, f"{name}/std": std}
-    return figures | {"completions/mean_length": length_sum / max(answers, 1),
-                      "completions/clipped_ratio": clipped_sum / max(answers, 1)}
+    return figures | length_figures(length_sum, clipped_sum, answers)
+
+
+def completion_statistics(completions: list[Completion], real: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/mean_length and /clipped_ratio over every rank's answers (one all-reduce)."""
+    return length_figures(*summed_over_ranks(completion_sums(completions, real.numpy())))
+
+
+def completion_sums(completions: list[Completion], keep: np.ndarray) -> list[float]:
+    lengths = np.array([len(c.ids) for c in completions])[keep]
+    clipped = np.array([c.truncated for c in completions])[keep]
+    return [lengths.sum(), clipped.sum(), keep.sum()]
+
+
+def length_figures(length_sum: float, clipped_sum: float, answers: float) -> dict[str, float]:
+    return {"completions/mean_length": length_sum / max(answers, 1),
+            "completions/clipped_ratio": clipped_sum / max(answers, 1)}
+
+
+def summed_over_ranks(sums: list[float]) -> list[float]:
+    totals = torch.tensor(sums, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return totals.tolist()
 
 
 def frac_over_ranks(flags: torch.Tensor, count: torch.Tensor) -> float:

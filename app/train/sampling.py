@@ -3,7 +3,7 @@ each optimizer step (only its weights travel: app/train/rollouts.py), decoded by
 continuous batching, a prompt that answers share computed once; sliding windows and soft-capped logits as the model
 has them), or by transformers' batched `generate` for a model whose attention the engine cannot run.
 
-The policy reaches the engine one of two ways (grpo.rollout_policy, decided by the plan): `merged`, the adapter
+The policy reaches the engine one of two ways (rollout.policy, decided by the plan): `merged`, the adapter
 merged into the sampler's own copy of the base at every sync (app/engine/merging.py: each step runs the base's
 products alone), or `lora`, the adapter applied beside the base at every step (PEFT's layers).
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from app.config.grpo import GrpoSection, rollout_policy_of
+from app.config.rollout import RolloutSection, rollout_policy_of
 from app.data.chat import pad_id
 from app.engine.core import EngineCore, UnsupportedModel
 from app.engine.merging import MergedAdapter
@@ -70,19 +70,19 @@ def answer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_033 + index * 7_919 + 1) % 2**63
 
 
-def drawing(grpo: GrpoSection) -> SamplingParams:
-    """How a rollout's tokens are drawn (the grpo section's settings), each one's log-probability under the
+def drawing(rollout: RolloutSection) -> SamplingParams:
+    """How a rollout's tokens are drawn (the rollout section's settings), each one's log-probability under the
     distribution it was drawn from (over the temperature, before top-k and top-p), as the loss takes it."""
-    return SamplingParams(max_tokens=grpo.max_completion_tokens, temperature=grpo.temperature, top_p=grpo.top_p,
-                          top_k=grpo.top_k, logprobs=0, logprobs_of="sampled")
+    return SamplingParams(max_tokens=rollout.max_completion_tokens, temperature=rollout.temperature,
+                          top_p=rollout.top_p, top_k=rollout.top_k, logprobs=0, logprobs_of="sampled")
 
 
-def seeded_answers(prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int,
+def seeded_answers(prompts: list[list[int]], rollout: RolloutSection, seed: int, first: int,
                    adapter: str | None = POLICY) -> list[Sequence]:
-    """grpo.num_generations answers to each prompt (those of a prompt consecutive), the i-th seeded by its place
+    """rollout.num_generations answers to each prompt (those of a prompt consecutive), the i-th seeded by its place
     `first + i` in the request, decoded through `adapter` (None: the base, the policy merged into it)."""
-    rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
-    params = drawing(grpo)
+    rows = [prompt for prompt in prompts for _ in range(rollout.num_generations)]
+    params = drawing(rollout)
     return [Sequence(row, params, adapter, seed=answer_seed(seed, first + i)) for i, row in enumerate(rows)]
 
 
@@ -151,24 +151,24 @@ class Sampler:
             self.merged.merge()
         self.version, self.checksum = version, received  # a load is no request: the idle time runs on
 
-    def sample_with(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, version: int) -> Sampled:
+    def sample_with(self, prompts: list[list[int]], rollout: RolloutSection, seed: int, version: int) -> Sampled:
         """`sample` with the adapter of step `version`; no answers if it holds another."""
         idle = time.perf_counter() - self.idle_since
         if version != self.version:
             return Sampled(None, self.version, self.checksum, idle)
-        completions = self.sample(prompts, grpo, seed)
+        completions = self.sample(prompts, rollout, seed)
         self.idle_since = time.perf_counter()
         return Sampled(completions, self.version, self.checksum, idle)
 
-    def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int = 0) -> list[Completion]:
-        """grpo.num_generations answers to each prompt (those of one prompt consecutive), drawn as the grpo section
-        says (temperature, top_p, top_k, max_completion_tokens); the i-th seeded by `seed` and its place `first + i`
-        in the request these prompts are part of; at most grpo.rollout_batch_rows decoded at once."""
+    def sample(self, prompts: list[list[int]], rollout: RolloutSection, seed: int, first: int = 0) -> list[Completion]:
+        """rollout.num_generations answers to each prompt (those of one prompt consecutive), drawn as the rollout
+        section says (temperature, top_p, top_k, max_completion_tokens); the i-th seeded by `seed` and its place
+        `first + i` in the request these prompts are part of; at most rollout.batch_rows decoded at once."""
         if self.core is None:
-            return self.generated([p for p in prompts for _ in range(grpo.num_generations)], grpo,
+            return self.generated([p for p in prompts for _ in range(rollout.num_generations)], rollout,
                                   answer_seed(seed, first))
-        answers = seeded_answers(prompts, grpo, seed, first, self.adapter)
-        self.core.max_rows = grpo.rollout_batch_rows or len(answers)
+        answers = seeded_answers(prompts, rollout, seed, first, self.adapter)
+        self.core.max_rows = rollout.batch_rows or len(answers)
         for answer in answers:
             self.core.add(answer)
         while self.core.busy:
@@ -182,7 +182,7 @@ class Sampler:
         return Completion(answer.ids, [entry.logprob for entry in answer.logprobs], truncated=not answer.ended_by_token)
 
     @torch.no_grad()
-    def generated(self, rows: list[list[int]], grpo: GrpoSection, seed: int) -> list[Completion]:
+    def generated(self, rows: list[list[int]], rollout: RolloutSection, seed: int) -> list[Completion]:
         """The answers of transformers' `generate`, in one static batch seeded once."""
         width = max(len(row) for row in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -191,12 +191,12 @@ class Sampler:
             ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
         torch.manual_seed(seed)
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                                  temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k,
-                                  max_new_tokens=grpo.max_completion_tokens, eos_token_id=self.end_ids,
+                                  temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                  max_new_tokens=rollout.max_completion_tokens, eos_token_id=self.end_ids,
                                   pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         new = out.sequences[:, width:].cpu()
         # the logits before top_p/top_k, over the temperature: the policy's log-probabilities, as the trainer's (TRL's)
-        logits = torch.stack(out.logits, dim=1).float().cpu() / grpo.temperature  # [rows, new tokens, vocabulary]
+        logits = torch.stack(out.logits, dim=1).float().cpu() / rollout.temperature  # [rows, new tokens, vocabulary]
         logps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
         return [self.generated_completion(row, row_logps) for row, row_logps in zip(new, logps)]
 
@@ -216,4 +216,4 @@ def build_sampler(cfg: FinetuneConfig, device: torch.device | str = "cpu",
         load_adapter_weights(model, init_adapter)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     return Sampler(model, end_token_ids(model.generation_config, tokenizer), pad_id(tokenizer), device,
-                   rollout_policy_of(cfg.model, cfg.lora, cfg.grpo, "transformers")[0])
+                   rollout_policy_of(cfg.model, cfg.lora, cfg.rollout, "transformers")[0])

@@ -1,4 +1,4 @@
-"""Rollouts sampled by vLLM (grpo.rollout_engine: vllm): the field's engine behind the same calls a `Sampler` answers
+"""Rollouts sampled by vLLM (rollout.engine: vllm): the field's engine behind the same calls a `Sampler` answers
 (app/train/sampling.py), so a rollout actor, its verified sync and its restarts work as they do with this project's
 engine.
 
@@ -8,7 +8,7 @@ trainer's checksum like the Sampler's, written as a PEFT adapter folder of their
 seeded by its place in the call (`answer_seed`, as the Sampler seeds it): a resumed run asks vLLM for the very
 seeds again, and answers are the same where vLLM's own kernels are deterministic for them (vLLM does not promise it
 across batch compositions). The log-probabilities are vLLM's `processed_logprobs` (over the temperature, as the
-loss takes them; with grpo.top_k or top_p, over the filtered distribution, as TRL's vLLM path reports them).
+loss takes them; with rollout.top_k or top_p, over the filtered distribution, as TRL's vLLM path reports them).
 vLLM runs the requests of one call at a time (`core` is None: the rollout engine's serial path) and batches the
 call's answers itself.
 """
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from app.config.grpo import GrpoSection
+from app.config.rollout import RolloutSection
 from app.config.schema import FinetuneConfig
 from app.model.adapter import ADAPTER_WEIGHTS, peft_config, saved_keys
 from app.model.build import build_meta_lora_model
@@ -44,13 +43,12 @@ class VllmSampler:
         self.llm = LLM(cfg.model.path, revision=cfg.model.revision, dtype=cfg.model.dtype, seed=cfg.train.seed,
                        enable_lora=True, max_lora_rank=vllm_lora_rank(cfg.lora.r), max_loras=1,
                        logprobs_mode="processed_logprobs", trust_remote_code=cfg.model.trust_remote_code,
-                       max_num_seqs=cfg.grpo.rollout_batch_rows or 256, **memory)
+                       max_num_seqs=cfg.rollout.batch_rows or 256, **memory)
         self.lora = peft_config(cfg.lora)
         model = build_meta_lora_model(cfg.model, cfg.lora, cfg.train.seed, checkpointed=False)
         self.keys = saved_keys(model, "default")  # saved key -> parameter name, as PEFT writes the adapter
         self.names = set(self.keys.values())
         self.version, self.checksum = -1, ""
-        self.idle_since = time.perf_counter()
         self.request, self.folder, self.ids = None, None, 0
 
     def load_adapter(self, weights: dict[str, torch.Tensor], version: int, checksum: str | None = None) -> None:
@@ -71,18 +69,19 @@ class VllmSampler:
         self.request, self.folder = LoRARequest(f"policy-{version}", self.ids, str(folder)), folder
         self.version, self.checksum = version, received
 
-    def sample(self, prompts: list[list[int]], grpo: GrpoSection, seed: int, first: int = 0) -> list[Completion]:
-        """As Sampler.sample: grpo.num_generations answers to each prompt, the i-th seeded by `seed` and `first + i`."""
+    def sample(self, prompts: list[list[int]], rollout: RolloutSection, seed: int, first: int = 0) -> list[Completion]:
+        """As Sampler.sample: rollout.num_generations answers to each prompt, the i-th seeded by `seed` and
+        `first + i`."""
         from vllm import SamplingParams, TokensPrompt
 
-        rows = [prompt for prompt in prompts for _ in range(grpo.num_generations)]
-        params = [SamplingParams(n=1, temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k or -1,
-                                 max_tokens=grpo.max_completion_tokens, logprobs=0, seed=answer_seed(seed, first + i))
+        rows = [prompt for prompt in prompts for _ in range(rollout.num_generations)]
+        params = [SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p,
+                                 top_k=rollout.top_k or -1, max_tokens=rollout.max_completion_tokens, logprobs=0,
+                                 seed=answer_seed(seed, first + i))
                   for i in range(len(rows))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in rows], params,
                                     lora_request=self.request, use_tqdm=False)
         completions = [self.completion(output.outputs[0]) for output in outputs]
-        self.idle_since = time.perf_counter()
         return completions
 
     def close(self) -> None:

@@ -91,9 +91,9 @@ def test_the_mlflow_run_holds_config_curves_and_adapter(reference_run, tmp_path)
     assert run.data.params["model.gradient_checkpointing"] == str(chosen)
     resolved = client.download_artifacts(run.info.run_id, "config/resolved.yaml", str(tmp_path))
     trained = cfg.with_set({"model.gradient_checkpointing": chosen, "train.adapters_per_micro_batch": 1,
-                            "grpo.rollout_workers": 1, "grpo.rollout_gpus": 0.0,
-                            "grpo.rollout_engine": "transformers",
-                            "grpo.rollout_policy": "merged"})  # decided for any objective
+                            "rollout.workers": 1, "rollout.gpus": 0.0,
+                            "rollout.engine": "transformers",
+                            "rollout.policy": "merged"})  # decided for any objective
     assert load_config(resolved) == trained  # the logged config reproduces the run's config exactly
 
 

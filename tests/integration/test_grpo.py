@@ -1,6 +1,6 @@
 """GRPO end to end on a real embedded Ray cluster: the shipped jobs/configs/embedded_grpo.yaml through the
 TorchTrainer, a RolloutActor sampling beside the gloo workers (adapter-only sync after each step, checked by its
-checksum; the next step's prompts sampled while the workers train: grpo.max_staleness=1), the demo's reward file
+checksum; the next step's prompts sampled while the workers train: rollout.max_staleness=1), the demo's reward file
 and an MLflow store; the adapter then checked outside the product, with plain transformers + PEFT
 (benchmarks/exact_match.py), against the figures the job reported."""
 
@@ -32,8 +32,8 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
         f"model.path={embedded['model']}", f"data.train_path={data / 'grpo_train.jsonl'}", f"data.eval_path={prompts}",
         f"train.output_dir={tmp_path / 'outputs'}", "train.max_steps=4", "train.eval_every=2", "train.log_every=1",
         "train.checkpoint_every=2", "train.global_batch_size=32", "train.micro_batch_size=8",
-        "grpo.num_generations=4", "train.run_name=grpo", "data.max_eval_rows=24",
-        "grpo.max_staleness=1", "grpo.importance_correction=tis",
+        "rollout.num_generations=4", "train.run_name=grpo", "data.max_eval_rows=24",
+        "rollout.max_staleness=1", "rollout.importance_correction=tis",
         "model.dtype=float32", "fsdp.param_dtype=float32"])  # the check below decodes in fp32 too
     summary = run_finetune(cfg)
     assert summary["steps"] == 4 and summary["final_eval_loss"] is None

@@ -19,13 +19,13 @@ PROMPTS = [[1, 5, 9, 14], [1, 22, 7], [1, 3, 3, 3, 8, 2], [1, 40, 41]]
 def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the_adapter_asked(
         ray_cluster, embedded, tmp_path):
     cfg = make_config(tmp_path, embedded, "train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]",
-                      "model.dtype=float32", "grpo.num_generations=4", "grpo.max_completion_tokens=6",
-                      "grpo.rollout_workers=2", "grpo.rollout_cpus=0.5")
+                      "model.dtype=float32", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
+                      "rollout.workers=2", "rollout.cpus=0.5")
     sampler = build_sampler(cfg)
     adapter = {name: p.detach() + 0.05 * (name.count("lora_B") > 0) for name, p in sampler.model.named_parameters()
                if name in sampler.names}
     sampler.load_adapter(adapter, 4, adapter_checksum(adapter))
-    alone = [c.ids for c in sampler.sample(PROMPTS, cfg.grpo, 21)]
+    alone = [c.ids for c in sampler.sample(PROMPTS, cfg.rollout, 21)]
 
     actors = start_rollout_group(cfg)
     rollouts = RayRollouts(actors, rank=1, num_generations=4)

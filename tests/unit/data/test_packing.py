@@ -14,7 +14,7 @@ from app.data.formatting import tokenize_rows
 from app.data.packing import first_fit, pack_rows, unpacked_rows
 from app.errors import UserInputError
 from app.launch.model_checks import check_packing
-from app.plan.packing_probe import packing_problem
+from app.model.packing_probe import packing_problem
 from app.train.loss import global_target_tokens, scaled_micro_batch_loss, summed_token_loss, target_token_count
 from tests.helpers import ARCHITECTURES, TINY
 

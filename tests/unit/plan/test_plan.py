@@ -28,8 +28,8 @@ def launch(plan: Plan) -> WorkerLaunch:
 
 
 RESOLVED = {"model.gradient_checkpointing": "false", "train.micro_batch_size": "4", "scaling.mesh": "replicate",
-            "train.adapters_per_micro_batch": "1", "grpo.rollout_workers": "1", "grpo.rollout_gpus": "0",
-            "grpo.rollout_engine": "transformers", "grpo.rollout_policy": "lora"}
+            "train.adapters_per_micro_batch": "1", "rollout.workers": "1", "rollout.gpus": "0",
+            "rollout.engine": "transformers", "rollout.policy": "lora"}
 
 
 @pytest.mark.parametrize("key", list(RESOLVED))
@@ -48,8 +48,8 @@ def test_what_the_driver_decides_leaves_only_what_the_workers_measure(tmp_path):
     auto = load_config(str(REPO / "jobs" / "configs" / "llama31_8b.yaml"), AUTOS + [f"train.output_dir={tmp_path}"])
     assert set(autos_left(auto)) - WORKERS_MEASURE == {"model.gradient_checkpointing", "train.micro_batch_size",
                                                        "scaling.mesh", "train.adapters_per_micro_batch",
-                                                       "grpo.rollout_workers", "grpo.rollout_gpus",
-                                                       "grpo.rollout_engine", "grpo.rollout_policy"}
+                                                       "rollout.workers", "rollout.gpus",
+                                                       "rollout.engine", "rollout.policy"}
     planned = resolve_memory_choices(auto, 400 * GiB, "400 GiB", SHAPE_8B).fitting()
     for decisions in (planned, memory_saving_decisions(auto)):
         plan = Plan(auto).decided(*decisions, *rollout_decisions(auto, cluster_gpus=8.0))

@@ -6,18 +6,20 @@ import pytest
 
 from app.config.loading import load_config
 from app.errors import UserInputError
+from app.launch.inputs import plan_files
 from app.plan.plan import Plan, autos_left
 from app.plan.rollout_sizing import rollout_decisions
+from tests.helpers import make_config
 
-GRPO = ["train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]", "grpo.num_generations=4",
+GRPO = ["train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]", "rollout.num_generations=4",
         "train.global_batch_size=32", "train.micro_batch_size=4"]
 
 
 def _sized(tmp_path, cluster_gpus, *overrides):
     cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
     plan = Plan(cfg).decided(*rollout_decisions(cfg, cluster_gpus))
-    assert not {"grpo.rollout_workers", "grpo.rollout_gpus"} & set(autos_left(plan.cfg))
-    return plan.cfg.grpo.rollout_workers, plan.cfg.grpo.rollout_gpus, plan.reasons.get("grpo.rollout_workers", "")
+    assert not {"rollout.workers", "rollout.gpus"} & set(autos_left(plan.cfg))
+    return plan.cfg.rollout.workers, plan.cfg.rollout.gpus, plan.reasons.get("rollout.workers", "")
 
 
 def test_cpu_workers_get_one_actor_on_cpus(tmp_path):
@@ -35,14 +37,14 @@ def test_gpu_workers_get_an_actor_per_gpu_training_leaves_at_most_one_per_worker
 
 
 def test_training_on_every_gpu_leaves_the_rollout_side_none_and_says_what_to_set(tmp_path):
-    with pytest.raises(UserInputError, match=r"^grpo.rollout_workers=auto: the cluster's 4 GPUs all train "
-                                             r"\(scaling.num_workers=4\); add a GPU .* set grpo.rollout_gpus=0"):
+    with pytest.raises(UserInputError, match=r"^rollout.workers=auto: the cluster's 4 GPUs all train "
+                                             r"\(scaling.num_workers=4\); add a GPU .* set rollout.gpus=0"):
         _sized(tmp_path, 4, "scaling.num_workers=4", "scaling.use_gpu=true")
-    assert _sized(tmp_path, 4, "scaling.num_workers=4", "scaling.use_gpu=true", "grpo.rollout_gpus=0")[:2] == (1, 0)
+    assert _sized(tmp_path, 4, "scaling.num_workers=4", "scaling.use_gpu=true", "rollout.gpus=0")[:2] == (1, 0)
 
 
 def test_what_the_user_set_is_kept_and_a_run_that_samples_nothing_prints_nothing(tmp_path):
-    assert _sized(tmp_path, 8, "scaling.use_gpu=true", "grpo.rollout_workers=3", "grpo.rollout_gpus=0.5") == \
+    assert _sized(tmp_path, 8, "scaling.use_gpu=true", "rollout.workers=3", "rollout.gpus=0.5") == \
         (3, 0.5, "")
     cfg = load_config(None, [f"train.output_dir={tmp_path}"])
     assert Plan(cfg).decided(*rollout_decisions(cfg, 0)).reasons == {}
@@ -57,21 +59,21 @@ def test_the_policy_reaches_the_actors_merged_unless_the_adapter_cannot_merge_an
         tmp_path, overrides, policy, why):
     cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
     plan = Plan(cfg).decided(*rollout_decisions(cfg, 0))
-    assert plan.cfg.grpo.rollout_policy == policy and plan.reasons["grpo.rollout_policy"].startswith(why)
+    assert plan.cfg.rollout.policy == policy and plan.reasons["rollout.policy"].startswith(why)
 
 
 def test_a_merged_policy_asked_of_an_adapter_that_cannot_merge_is_one_line_naming_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"grpo.rollout_policy=merged with lora.use_dora=true \(DoRA's magnitudes "
+    with pytest.raises(ValueError, match=r"rollout.policy=merged with lora.use_dora=true \(DoRA's magnitudes "
                                          r"scale every step's output\): the adapter cannot be merged; set "
-                                         r"grpo.rollout_policy: lora"):
-        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "lora.use_dora=true", "grpo.rollout_policy=merged"])
+                                         r"rollout.policy: lora"):
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "lora.use_dora=true", "rollout.policy=merged"])
 
 
 def _engine(tmp_path, monkeypatch, cannot, *overrides):
     monkeypatch.setattr("app.plan.rollout_sizing.vllm_cannot_run", lambda path: cannot)
     cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, *overrides])
     plan = Plan(cfg).decided(*rollout_decisions(cfg, 8))
-    return plan.cfg.grpo.rollout_engine, plan.cfg.grpo.rollout_policy, plan.reasons.get("grpo.rollout_engine", "")
+    return plan.cfg.rollout.engine, plan.cfg.rollout.policy, plan.reasons.get("rollout.engine", "")
 
 
 def test_rollouts_decode_on_vllm_beside_gpu_workers_and_on_this_engine_on_cpus_each_saying_why(tmp_path,
@@ -89,15 +91,26 @@ def test_rollouts_decode_on_vllm_beside_gpu_workers_and_on_this_engine_on_cpus_e
         ("transformers", "transformers (this project's engine: lora.use_dora=true (vLLM has no DoRA))")
 
 
+def test_vllm_asked_where_it_cannot_run_stops_the_job_before_ray_starts(embedded, tmp_path, monkeypatch):
+    """What the driver runs before Ray (app/launch/inputs.py), once the model's folder is known."""
+    monkeypatch.setattr("app.plan.rollout_sizing.vllm_cannot_run", lambda path: f"vLLM does not run {path}")
+    data = embedded["train"].parent
+    cfg = make_config(tmp_path, embedded, *GRPO, f"data.train_path={data / 'grpo_train.jsonl'}",
+                      f"data.eval_path={data / 'grpo_eval.jsonl'}", "rollout.engine=vllm")
+    with pytest.raises(UserInputError, match=rf"^rollout.engine=vllm: vLLM does not run {embedded['model']}; or set"):
+        plan_files(cfg)
+    assert plan_files(cfg.with_set({"rollout.engine": "auto"}))[0].cfg.rollout.engine == "auto"  # decided later
+
+
 def test_vllm_asked_where_it_cannot_sample_the_policy_is_one_line_naming_the_key(tmp_path, monkeypatch):
-    with pytest.raises(UserInputError, match=r"^grpo.rollout_engine=vllm: vLLM is not installed; or set "
-                                             r"grpo.rollout_engine: transformers$"):
-        _engine(tmp_path, monkeypatch, "vLLM is not installed", "grpo.rollout_engine=vllm")
-    with pytest.raises(ValueError, match=r"grpo.rollout_engine=vllm with model.quantization=nf4 \(vLLM would load the "
+    with pytest.raises(UserInputError, match=r"^rollout.engine=vllm: vLLM is not installed; or set "
+                                             r"rollout.engine: transformers$"):
+        _engine(tmp_path, monkeypatch, "vLLM is not installed", "rollout.engine=vllm")
+    with pytest.raises(ValueError, match=r"rollout.engine=vllm with model.quantization=nf4 \(vLLM would load the "
                                          r"base unquantized\): it would sample another policy than the one trained"):
         load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "model.quantization=nf4",
-                           "grpo.rollout_engine=vllm"])
-    with pytest.raises(ValueError, match=r"grpo.rollout_policy=merged with grpo.rollout_engine=vllm: vLLM takes the "
+                           "rollout.engine=vllm"])
+    with pytest.raises(ValueError, match=r"rollout.policy=merged with rollout.engine=vllm: vLLM takes the "
                                          r"adapter as LoRA requests"):
-        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "grpo.rollout_policy=merged",
-                           "grpo.rollout_engine=vllm"])
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "rollout.policy=merged",
+                           "rollout.engine=vllm"])

@@ -1,5 +1,5 @@
-"""GRPO's rollouts sampled ahead (grpo.max_staleness) and its verified adapter sync, on a real gloo group without Ray:
-the rollout side is a Sampler in the rank's process, the model the FSDP2-sharded embedded one, each optimizer step
+"""GRPO's rollouts sampled ahead (rollout.max_staleness) and its verified adapter sync, on a real gloo group without
+Ray: the rollout side is a Sampler in the rank's process, the model the FSDP2-sharded embedded one, each optimizer step
 stood in for by a change of its LoRA weights.
 
 - A batch trains at most max_staleness steps after the adapter that sampled it, and exactly that many once the
@@ -57,7 +57,7 @@ def _stream(rank, world, embedded, out, rollouts_type, *overrides):
     cfg, ctx, train_pass, _, scorer = _grpo_rank(rank, world, embedded, out, *overrides)
     model = build_training_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, ctx.device)
     steps = [0]
-    rollouts = rollouts_type(build_sampler(cfg), cfg.grpo)
+    rollouts = rollouts_type(build_sampler(cfg), cfg.rollout)
     stream = RolloutStream(RankStream(train_pass, ctx.device, rank=rank, world_size=world), rollouts, scorer, cfg,
                            rank, load_tokenizer(cfg.model), model, lambda: steps[0])
     return model, stream, rollouts, steps
@@ -77,7 +77,7 @@ def _take_step(model, stream, steps) -> dict:
 
 def _sample_ahead(rank: int, world: int, embedded: dict, out: str, staleness: int) -> None:
     model, stream, rollouts, steps = _stream(rank, world, embedded, out, RecordingRollouts,
-                                             f"grpo.max_staleness={staleness}", "grpo.importance_correction=tis")
+                                             f"rollout.max_staleness={staleness}", "rollout.importance_correction=tis")
     figures = [_take_step(model, stream, steps) for _ in range(STEPS)]
     batch, version, handle = stream.ahead[0] if stream.ahead else (None, None, None)
     if batch is not None:  # a batch sampled long ago (as a resume that now allows less would find it)

@@ -98,7 +98,7 @@ def test_at_ratio_one_the_gradient_is_the_advantage_weighted_log_prob_gradient()
 def test_a_batch_where_no_token_trains_is_a_step_of_loss_zero(loss_type):
     """Every answer cut off, with grpo.mask_truncated_completions: no label left (dapo counts 0 tokens)."""
     cfg = load_config(EMBEDDED_CONFIG, ["train.objective=grpo", "grpo.reward_funcs=[jobs/rewards.py:exact_words]",
-                                        f"grpo.loss_type={loss_type}", "grpo.num_generations=2",
+                                        f"grpo.loss_type={loss_type}", "rollout.num_generations=2",
                                         "train.global_batch_size=4", "train.micro_batch_size=2"])
     batch = {"labels": torch.full((2, 5), IGNORE_INDEX), "real": torch.ones(2)}
     normaliser = GroupRelative(cfg, None).normaliser([batch, batch])
@@ -113,7 +113,7 @@ def test_a_batch_where_no_token_trains_is_a_step_of_loss_zero(loss_type):
 def test_the_config_refuses_completions_that_do_not_split_into_whole_groups_per_worker():
     base = ["train.objective=grpo", "grpo.reward_funcs=[jobs/rewards.py:exact_words]", "train.micro_batch_size=4"]
     with pytest.raises(UserInputError, match=r"global_batch_size=24 counts completions: .* a multiple of 16") as e:
-        load_config(EMBEDDED_CONFIG, [*base, "train.global_batch_size=24", "grpo.num_generations=8"])
+        load_config(EMBEDDED_CONFIG, [*base, "train.global_batch_size=24", "rollout.num_generations=8"])
     assert "\n" not in str(e.value)
     with pytest.raises(UserInputError, match="train.objective=grpo needs grpo.reward_funcs"):
         load_config(EMBEDDED_CONFIG, ["train.objective=grpo"])
@@ -182,7 +182,7 @@ def test_reward_functions_are_named_unambiguously():
 
 
 def test_truncated_importance_sampling_equals_its_formula_by_hand():
-    """grpo.importance_correction=tis: each token's loss times min(pi_old / pi_sampler, cap), detached; the
+    """rollout.importance_correction=tis: each token's loss times min(pi_old / pi_sampler, cap), detached; the
     figures count the ratio's mean and the share of tokens over the cap."""
     logps, old, _, advantages, mask = _toy_batch()
     sampler = old + torch.tensor([[0.5, -0.9, 0.0, 0.1, 0.2], [-0.2, 0.3, -1.5, 0.0, -0.8], [0.0, 0.0, 0.4, -0.7, 1.0]],
@@ -204,7 +204,7 @@ def test_truncated_importance_sampling_equals_its_formula_by_hand():
 
 
 def test_staleness_counts_optimizer_steps_so_it_refuses_several_iterations_per_batch():
-    base = ["train.objective=grpo", "grpo.reward_funcs=[jobs/rewards.py:exact_words]", "grpo.max_staleness=1"]
-    with pytest.raises(UserInputError, match=r"grpo.max_staleness=1 with grpo.num_iterations=2: .*use one of them$"):
+    base = ["train.objective=grpo", "grpo.reward_funcs=[jobs/rewards.py:exact_words]", "rollout.max_staleness=1"]
+    with pytest.raises(UserInputError, match=r"rollout.max_staleness=1 with grpo.num_iterations=2: .*use one of them$"):
         load_config(EMBEDDED_CONFIG, [*base, "grpo.num_iterations=2"])
-    assert load_config(EMBEDDED_CONFIG, base).grpo.importance_correction == "none"  # the on-policy default kept
+    assert load_config(EMBEDDED_CONFIG, base).rollout.importance_correction == "none"  # the on-policy default kept

@@ -28,6 +28,7 @@ from app.train import rewards
 from app.train.group import RankContext
 from app.train.loss import sampled_token_logps
 from app.train.objectives import GroupRelative
+from app.train.ports import RecipeParts
 from app.train.recipe import FinetuneRecipe
 from app.train.rollouts import LocalRollouts, RolloutStream
 from app.train.sampling import build_sampler
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 REWARD_FILE = REPO / "jobs" / "rewards.py"
 REWARDS = f"grpo.reward_funcs=[{REWARD_FILE}:exact_words, {REWARD_FILE}:words_in_place]"
-GRPO = ["train.objective=grpo", REWARDS, "grpo.num_generations=4", "grpo.max_completion_tokens=8",
+GRPO = ["train.objective=grpo", REWARDS, "rollout.num_generations=4", "rollout.max_completion_tokens=8",
         "train.global_batch_size=16", "train.micro_batch_size=4", "model.dtype=float32", "fsdp.param_dtype=float32",
         "train.learning_rate=5e-3", "train.warmup_steps=0", "train.lr_schedule=constant", "data.max_seq_len=24"]
 
@@ -71,17 +72,17 @@ def _grpo_rank(rank: int, world: int, embedded: dict, out: str, *overrides: str)
 
 def _logps_agree(rank: int, world: int, embedded: dict, out: str) -> None:
     cfg, ctx, train_pass, _, scorer = _grpo_rank(rank, world, embedded, out, "grpo.num_iterations=2",
-                                                 "grpo.temperature=0.7", "grpo.top_k=5")  # logps: before top_k
+                                                 "rollout.temperature=0.7", "rollout.top_k=5")  # logps: before top_k
     model = build_training_model(cfg.model, cfg.lora, cfg.fsdp, build_device_mesh("cpu"), 0, ctx.device)
     with torch.no_grad():  # a trained adapter, not the no-op a fresh lora_B = 0 gives
         for p in trainable_parameters(model):
             p.to_local().add_(torch.randn_like(p.to_local()) * 0.05)
     sampler = build_sampler(cfg)
     stream = RolloutStream(RankStream(train_pass, ctx.device, rank=rank, world_size=world),
-                           LocalRollouts(sampler, cfg.grpo), scorer, cfg, rank, load_tokenizer(cfg.model), model,
+                           LocalRollouts(sampler, cfg.rollout), scorer, cfg, rank, load_tokenizer(cfg.model), model,
                            lambda: 0)
     batch = next(stream)
-    logps, _ = sampled_token_logps(model, batch, 0, cfg.grpo.temperature)
+    logps, _ = sampled_token_logps(model, batch, 0, cfg.rollout.temperature)
     mask = batch["labels"][:, 1:] != IGNORE_INDEX
     result = {"sampler": (batch["sampler_logps"] - batch["old_logps"])[mask].abs().max().item(),
               "ratio": (logps - batch["old_logps"])[mask].abs().max().item(), "tokens": int(mask.sum()),
@@ -155,23 +156,23 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: st
     results = {}
     for name, restore_from in (("whole", None), ("restored", Path(out) / "whole" / "step3")):
         tracker = RecordingTracker()
-        recipe = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
-                                DirectoryCheckpoints(Path(out) / name, restore_from), RunDir(str(Path(out) / name)),
-                                rollouts=LocalRollouts(build_sampler(cfg), cfg.grpo), scorer=scorer)
+        recipe = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, RecipeParts(
+            tracker, DirectoryCheckpoints(Path(out) / name, restore_from), RunDir(str(Path(out) / name)),
+            rollouts=LocalRollouts(build_sampler(cfg), cfg.rollout), scorer=scorer))
         results[name] = {"summary": recipe.train(), "metrics": tracker.metrics}
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results, default=float))
 
 
 @pytest.mark.parametrize("overrides", [("grpo.num_iterations=2",),
-                                       ("grpo.max_staleness=1", "grpo.importance_correction=tis")])
+                                       ("rollout.max_staleness=1", "rollout.importance_correction=tis")])
 def test_a_restored_run_samples_and_takes_the_steps_the_uninterrupted_run_took(overrides, embedded, tmp_path):
     run_ranks(_train_twice, 2, embedded, str(tmp_path), *overrides)
     results = json.loads((tmp_path / "results.json").read_text())
     whole = {int(s): m for s, m in results["whole"]["metrics"].items()}
     restored = {int(s): m for s, m in results["restored"]["metrics"].items()}
     assert sorted(s for s in whole if "train_loss" in whole[s]) == list(range(1, 7))
-    ahead = "grpo.max_staleness=1" in overrides  # a batch every step, sampled a step ahead; else every 2 steps
+    ahead = "rollout.max_staleness=1" in overrides  # a batch every step, sampled a step ahead; else every 2 steps
     assert [s for s in whole if "reward" in whole[s]] == ([1, 2, 3, 4, 5, 6] if ahead else [1, 3, 5])
     if ahead:
         assert [whole[s]["rollout/staleness_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]

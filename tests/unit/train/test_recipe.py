@@ -18,6 +18,7 @@ from app.model.base import load_tokenizer
 from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.runs.layout import RunDir
 from app.train.group import RankContext
+from app.train.ports import RecipeParts
 from app.train.recipe import FinetuneRecipe
 from tests.helpers import driver_plan, make_config, run_ranks
 
@@ -96,9 +97,9 @@ def _train_twice(rank: int, world: int, embedded: dict, out: str, *overrides: st
     first_checkpoint = Path(out) / "whole" / f"step{cfg.train.checkpoint_every}"
     for name, restore_from in (("whole", None), ("restored", first_checkpoint)):
         tracker = RecordingTracker()
-        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
-                                 DirectoryCheckpoints(Path(out) / name, restore_from, 6 if name == "whole" else None),
-                                 RunDir(str(Path(out) / name))).train()
+        checkpoints = DirectoryCheckpoints(Path(out) / name, restore_from, 6 if name == "whole" else None)
+        parts = RecipeParts(tracker, checkpoints, RunDir(str(Path(out) / name)))
+        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, parts).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics, "params": tracker.params}
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
@@ -235,8 +236,8 @@ def _sft_then_dpo(rank: int, world: int, embedded: dict, out: str) -> None:
         cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, out, *overrides)
         tracker = RecordingTracker()
         weights = read_adapter_weights(Path(out) / start / "adapter") if start else None
-        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
-                                 run_dir=RunDir(str(Path(out) / name)), init_adapter=weights).train()
+        parts = RecipeParts(tracker, run_dir=RunDir(str(Path(out) / name)), init_adapter=weights)
+        summary = FinetuneRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, parts).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics}
         torch.distributed.barrier()  # rank 0 writes the adapter after the run's last collective
     if rank == 0:

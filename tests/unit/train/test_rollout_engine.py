@@ -17,8 +17,8 @@ PROMPTS = [[1, 5, 9, 14], [1, 22, 7], [1, 3, 3, 3, 8, 2]]
 
 @pytest.fixture(scope="module")
 def cfg(embedded, tmp_path_factory):
-    return make_config(tmp_path_factory.mktemp("engine"), embedded, "model.dtype=float32", "grpo.num_generations=3",
-                       "grpo.max_completion_tokens=6", "grpo.temperature=0.8", "grpo.top_k=10")
+    return make_config(tmp_path_factory.mktemp("engine"), embedded, "model.dtype=float32", "rollout.num_generations=3",
+                       "rollout.max_completion_tokens=6", "rollout.temperature=0.8", "rollout.top_k=10")
 
 
 def _adapter(sampler, scale: float) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def _alone(cfg, adapter, version, prompts, seed, first=0):
     """What a Sampler alone answers with that adapter."""
     sampler = build_sampler(cfg)
     sampler.load_adapter(adapter, version, adapter_checksum(adapter))
-    return [c.ids for c in sampler.sample(prompts, cfg.grpo, seed, first)]
+    return [c.ids for c in sampler.sample(prompts, cfg.rollout, seed, first)]
 
 
 def _in_threads(engine, calls):
@@ -77,8 +77,8 @@ class WidestBatch:
 
 @pytest.mark.parametrize("rows", [None, 4])
 def test_the_ranks_requests_share_the_batch_and_each_gets_what_a_sampler_alone_gives(cfg, rows):
-    cfg = cfg.model_validate(cfg.model_dump() | {"grpo": cfg.grpo.model_dump() | {"rollout_batch_rows": rows}})
-    engine = RolloutEngine(build_sampler(cfg), cfg.grpo)
+    cfg = cfg.model_validate(cfg.model_dump() | {"rollout": cfg.rollout.model_dump() | {"batch_rows": rows}})
+    engine = RolloutEngine(build_sampler(cfg), cfg.rollout)
     one, two = _adapter(engine.sampler, 0.05), _adapter(engine.sampler, 0.08)
     widest = WidestBatch(engine, calls=4)
     calls = [(PROMPTS[:2], 11, 0, 1, one), (PROMPTS[2:], 11, 6, 1, one), (PROMPTS, 12, 0, 2, two),
@@ -95,7 +95,7 @@ def test_the_ranks_requests_share_the_batch_and_each_gets_what_a_sampler_alone_g
 
 
 def test_an_adapter_that_arrived_changed_is_refused_to_its_caller_and_the_engine_goes_on(cfg):
-    engine = RolloutEngine(build_sampler(cfg), cfg.grpo)
+    engine = RolloutEngine(build_sampler(cfg), cfg.rollout)
     good = _adapter(engine.sampler, 0.05)
     changed = {name: value + 1e-3 for name, value in good.items()}
     with pytest.raises(ValueError, match=r"^the adapter of step 3 arrived changed \(checksum \w+, sent \w+\): the "
@@ -106,15 +106,15 @@ def test_an_adapter_that_arrived_changed_is_refused_to_its_caller_and_the_engine
 
 
 def test_the_policy_merged_into_the_base_samples_what_lora_beside_it_samples(cfg):
-    """grpo.rollout_policy: merged (the plan's choice where the adapter can merge) against lora, adapter after
+    """rollout.policy: merged (the plan's choice where the adapter can merge) against lora, adapter after
     adapter: the same answers and, up to fp32 rounding, the same log-probabilities."""
-    merged, lora = build_sampler(cfg), build_sampler(cfg.with_set({"grpo.rollout_policy": "lora"}))
+    merged, lora = build_sampler(cfg), build_sampler(cfg.with_set({"rollout.policy": "lora"}))
     assert (merged.adapter, lora.adapter) == (None, "default") and merged.merged is not None
     for version, scale in ((1, 0.05), (2, 0.3)):
         adapter = _adapter(lora, scale)
         merged.load_adapter(adapter, version, adapter_checksum(adapter))
         lora.load_adapter(adapter, version, adapter_checksum(adapter))
-        ours, theirs = merged.sample(PROMPTS, cfg.grpo, 11), lora.sample(PROMPTS, cfg.grpo, 11)
+        ours, theirs = merged.sample(PROMPTS, cfg.rollout, 11), lora.sample(PROMPTS, cfg.rollout, 11)
         assert [c.ids for c in ours] == [c.ids for c in theirs]
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-4, rtol=1e-4)
@@ -122,11 +122,11 @@ def test_the_policy_merged_into_the_base_samples_what_lora_beside_it_samples(cfg
 
 def test_a_model_left_to_generate_is_served_one_request_at_a_time_with_the_adapter_asked(cfg):
     """transformers' generate path (a model whose attention does not go through transformers' AttentionInterface;
-    forced here on the embedded model, whose adapter is then applied by PEFT's layers: grpo.rollout_policy=lora)."""
-    cfg = cfg.with_set({"grpo.rollout_policy": "lora"})
+    forced here on the embedded model, whose adapter is then applied by PEFT's layers: rollout.policy=lora)."""
+    cfg = cfg.with_set({"rollout.policy": "lora"})
     sampler = build_sampler(cfg)
     sampler.core = None
-    engine = RolloutEngine(sampler, cfg.grpo)
+    engine = RolloutEngine(sampler, cfg.rollout)
     one, two = _adapter(engine.sampler, 0.05), _adapter(engine.sampler, 0.08)
     results = _in_threads(engine, [(PROMPTS, 3, 0, 1, one), (PROMPTS, 3, 0, 2, two)])
     reference = build_sampler(cfg)
@@ -134,4 +134,4 @@ def test_a_model_left_to_generate_is_served_one_request_at_a_time_with_the_adapt
     for sampled, adapter, version in zip(results, (one, two), (1, 2)):
         reference.load_adapter(adapter, version, adapter_checksum(adapter))
         assert (sampled.version, sampled.checksum) == (version, adapter_checksum(adapter))
-        assert [c.ids for c in sampled.completions] == [c.ids for c in reference.sample(PROMPTS, cfg.grpo, 3)]
+        assert [c.ids for c in sampled.completions] == [c.ids for c in reference.sample(PROMPTS, cfg.rollout, 3)]

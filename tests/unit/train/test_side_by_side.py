@@ -19,6 +19,7 @@ import yaml
 from app.data.formatting import tokenize_rows
 from app.model.base import load_tokenizer
 from app.runs.layout import ADAPTER_RUN_CONFIG, RunDir
+from app.train.ports import RecipeParts
 from app.train.recipe import FinetuneRecipe
 from app.train.side_by_side import SideBySideRecipe
 from tests.helpers import driver_plan, run_ranks
@@ -48,8 +49,8 @@ def _run(rank: int, world: int, embedded: dict, out: Path, reshard: bool, name: 
     cfg, ctx, train_pass, eval_pass = _rank_inputs(rank, world, embedded, str(out), *overrides)
     recipe = SideBySideRecipe if adapters else FinetuneRecipe
     tracker = RecordingTracker()
-    summary = recipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
-                     DirectoryCheckpoints(out / name, restore_from), RunDir(str(out / name))).train()
+    parts = RecipeParts(tracker, DirectoryCheckpoints(out / name, restore_from), RunDir(str(out / name)))
+    summary = recipe(driver_plan(cfg), ctx, train_pass, eval_pass, parts).train()
     return {"summary": summary, "metrics": tracker.metrics}
 
 
@@ -157,9 +158,9 @@ def _tenant_runs(rank: int, world: int, embedded: dict, out: str) -> None:
             rank, world, embedded, str(out), *steps, f"train.adapters_per_micro_batch={shared}",
             f"adapters=[{', '.join(adapters)}]")
         tracker = RecordingTracker()
-        summary = SideBySideRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, tracker,
-                                   DirectoryCheckpoints(out / name, restore_from and out / restore_from),
-                                   RunDir(str(out / name))).train()
+        checkpoints = DirectoryCheckpoints(out / name, restore_from and out / restore_from)
+        parts = RecipeParts(tracker, checkpoints, RunDir(str(out / name)))
+        summary = SideBySideRecipe(driver_plan(cfg), ctx, train_pass, eval_pass, parts).train()
         results[name] = {"summary": summary, "metrics": tracker.metrics}
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))

@@ -20,8 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from app.data.chat import IGNORE_INDEX
+from app.model.packing_probe import SMALL_SIZES, packing_isolation
 from app.model.segment_attention import use_segments_on_cpu
-from app.plan.packing_probe import SMALL_SIZES, packing_isolation
 from app.train.loss import summed_token_loss
 
 pytestmark = pytest.mark.slow  # make test runs it, make test-fast does not

@@ -34,5 +34,6 @@ def teacher_model(model: ModelSection, distill: DistillSection) -> ModelSection:
     (loaded as it is: no revision, no quantization, no starting adapter of the student's)."""
     if distill.teacher is None:
         return model
-    return model.model_copy(update={"path": distill.teacher, "revision": None, "gguf_file": None,
-                                    "init_adapter": None, "quantization": "none"})
+    return ModelSection.model_validate(model.model_dump() | {"path": distill.teacher, "revision": None,
+                                                             "gguf_file": None, "init_adapter": None,
+                                                             "quantization": "none"})

@@ -181,7 +181,7 @@ class Distillation:
 
 def loaded_teacher(base: ModelSection, adapter: FrozenAdapter | None, dtype: torch.dtype, device: torch.device):
     """A teacher of its own base, frozen, in `dtype` on `device`, with its adapter (if any) merged in."""
-    model = load_base_model(base.model_copy(update={"dtype": DTYPE_NAMES[dtype]}), device)
+    model = load_base_model(ModelSection.model_validate(base.model_dump() | {"dtype": DTYPE_NAMES[dtype]}), device)
     if adapter is not None:
         model = apply_lora(model, adapter.lora, seed=0)
         load_adapter_weights(model, adapter.weights)

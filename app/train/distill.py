@@ -37,6 +37,7 @@ from app.train.grpo import importance_weights
 from app.train.reward_eval import greedy_eval_answers, scored_table
 
 METRIC_SUMS = ("entropy", "sampler_gap", "tokens")
+METRIC_MAXIMA = ("sampler_gap_max",)  # after the sums, all-reduced by MAX
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -87,7 +88,7 @@ def token_divergences(model, batch: dict, temperature: float, beta: float, teach
 class Distillation:
     """On-policy distillation: the student against the teacher's distribution on the student's own answers."""
 
-    metric_names = METRIC_SUMS
+    metric_names, metric_maxima = METRIC_SUMS, METRIC_MAXIMA
     normaliser_name = "step_completion_tokens"
     answers_artifact = "eval/completions.json"  # its evaluation is greedy answers to every eval prompt
     answers_hold_every_eval_row = True
@@ -125,7 +126,7 @@ class Distillation:
         return count.clamp(min=1.0)
 
     def micro_batch_loss(self, model, batch: dict, normaliser: torch.Tensor, world_size: int):
-        """(the loss to backpropagate, its unscaled sum, sums of `metric_names`)."""
+        """(the loss to backpropagate, its unscaled sum, sums of `metric_names` then `metric_maxima`)."""
         divergence, logps, entropy, mask = token_divergences(model, batch, self.rollout.temperature, self.beta,
                                                              self.teacher(model))
         sampler = batch["sampler_logps"][:, -logps.shape[1]:].to(logps.device)
@@ -134,16 +135,17 @@ class Distillation:
         m = mask.to(divergence.dtype)
         loss_sum = (divergence * m).sum()
         gap = (logps.detach() - sampler).abs()
-        sums = torch.stack([(entropy * m).sum(), (gap * m).sum(), m.sum()]).double()
+        sums = torch.stack([(entropy * m).sum(), (gap * m).sum(), m.sum(), (gap * m).max()]).double()
         return loss_sum * (world_size / normaliser), loss_sum.detach(), sums
 
     def step_figures(self, sums: list[float], normaliser: float) -> dict[str, float]:
         """TRL's names: the student's entropy, and how far the trainer's log-probabilities of the sampled tokens
         are from the sampler's (a stale adapter on the rollout side, or another numeric path, shows here)."""
-        totals = dict(zip(METRIC_SUMS, sums))
+        totals = dict(zip(METRIC_SUMS + METRIC_MAXIMA, sums))
         tokens = max(totals["tokens"], 1.0)
         return {"entropy": totals["entropy"] / tokens,
-                "sampling/sampling_logp_difference/mean": totals["sampler_gap"] / tokens}
+                "sampling/sampling_logp_difference/mean": totals["sampler_gap"] / tokens,
+                "sampling/sampling_logp_difference/max": totals["sampler_gap_max"]}
 
     def evaluate(self, model, eval_pass: Callable[[], Iterable], ctx: RankContext, tokenizer) -> dict[str, float]:
         """Greedy answers to every eval prompt, their task metrics (eval.metrics), and eval_loss: the divergence

@@ -31,3 +31,17 @@ def on_every_rank(flag: bool, ctx: RankContext) -> bool:
     t = torch.tensor([int(flag)], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def combined(total: torch.Tensor, sums: torch.Tensor, maxima: int) -> torch.Tensor:
+    """Two micro-batches' figures as one: sums added, the last `maxima` kept at their largest."""
+    if not maxima:
+        return total + sums
+    cut = len(total) - maxima
+    return torch.cat([total[:cut] + sums[:cut], torch.maximum(total[cut:], sums[cut:])])
+
+
+def split_maxima(figures: torch.Tensor, maxima: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sums, the last `maxima` figures): all-reduced apart, by SUM and by MAX."""
+    cut = len(figures) - maxima
+    return figures[:cut], figures[cut:]

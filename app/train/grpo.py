@@ -34,6 +34,7 @@ STD_EPSILON = 1e-4  # added to the standard deviation before dividing (TRL's)
 # sums a micro-batch reports, all-reduced with the loss (app/train/recipe.py), turned into figures by step_figures
 METRIC_SUMS = ("kl", "entropy", "clip_low", "clip_high", "clip_region", "sampler_gap", "is_ratio", "is_truncated",
                "tokens")
+METRIC_MAXIMA = ("sampler_gap_max",)  # after the sums, all-reduced by MAX
 MAX_LOG_RATIO = 20.0  # an importance ratio's figure is kept finite past this (e^20)
 
 
@@ -108,10 +109,10 @@ def normaliser_count(mask: torch.Tensor, real: torch.Tensor, loss_type: str) -> 
 
 def metric_sums(loss_terms, mask: torch.Tensor, entropy: torch.Tensor, logps: torch.Tensor,
                 sampler_logps: torch.Tensor, old_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """The METRIC_SUMS of a micro-batch over its completion tokens; `sampler_gap`: how far the trainer's
-    log-probabilities of the sampled tokens are from the sampler's (a stale adapter on the rollout side, or another
-    numeric path, shows here); `is_ratio` and `is_truncated`: the importance ratio old/sampler, and whether it
-    exceeds importance_cap (whether or not the loss is weighted by it)."""
+    """The METRIC_SUMS of a micro-batch over its completion tokens, then its METRIC_MAXIMA; `sampler_gap`: how far
+    the trainer's log-probabilities of the sampled tokens are from the sampler's (a stale adapter on the rollout
+    side, or another numeric path, shows here); `is_ratio` and `is_truncated`: the importance ratio old/sampler, and
+    whether it exceeds importance_cap (whether or not the loss is weighted by it)."""
     _, kl, low, high = loss_terms
     m = mask.to(torch.float64)
     gap = (logps.detach().double() - sampler_logps.double()).abs()
@@ -119,17 +120,18 @@ def metric_sums(loss_terms, mask: torch.Tensor, entropy: torch.Tensor, logps: to
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
     return torch.stack([(kl.double() * m).sum(), (entropy.double() * m).sum(), (low * m).sum(), (high * m).sum(),
                         ((low | high) * m).sum(), (gap * m).sum(), (ratio * m).sum(),
-                        ((log_ratio > math.log(cap)) * m).sum(), m.sum()])
+                        ((log_ratio > math.log(cap)) * m).sum(), m.sum(), (gap * m).max()])
 
 
 def figures_from_sums(sums: list[float], beta: float) -> dict[str, float]:
     """TRL's names: kl (with beta), entropy and the clipped shares, each a mean over the global batch's completion
     tokens."""
-    totals = dict(zip(METRIC_SUMS, sums))
+    totals = dict(zip(METRIC_SUMS + METRIC_MAXIMA, sums))
     tokens = max(totals["tokens"], 1.0)
     return ({"kl": totals["kl"] / tokens} if beta else {}) | {"entropy": totals["entropy"] / tokens,
             "clip_ratio/low_mean": totals["clip_low"] / tokens, "clip_ratio/high_mean": totals["clip_high"] / tokens,
             "sampling/sampling_logp_difference/mean": totals["sampler_gap"] / tokens,
+            "sampling/sampling_logp_difference/max": totals["sampler_gap_max"],
             "rollout/is_ratio_mean": totals["is_ratio"] / tokens,
             "rollout/is_truncated_share": totals["is_truncated"] / tokens,
             "clip_ratio/region_mean": totals["clip_region"] / tokens}

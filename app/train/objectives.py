@@ -37,6 +37,7 @@ from app.train.evaluation import dealt_eval_sums, eval_metrics, evaluate_loss
 from app.train.generation import generation_table
 from app.train.group import RankContext
 from app.train.grpo import (
+    METRIC_MAXIMA,
     METRIC_SUMS,
     figures_from_sums,
     importance_weights,
@@ -58,6 +59,7 @@ class AnswersOnRequest:
     answers: dict[str, list] | None = None  # the latest evaluation's answers table
     answers_artifact: str | None = None  # logged at every evaluation under this name (None: only the samples)
     answers_hold_every_eval_row = False  # they are the first eval.generation_rows rows
+    metric_maxima: tuple[str, ...] = ()  # figures a micro-batch reports after its sums, kept at their largest
     eval_cfg: EvalSection
 
     def prompts(self, batches: Iterable[dict]) -> Iterable[dict]:
@@ -152,7 +154,7 @@ class GroupRelative:
     """GRPO: the policy pushed toward its better answers of each prompt's group, against the policy that sampled
     them (and with grpo.beta, the reference: the base with LoRA off, or the frozen starting adapter)."""
 
-    metric_names = METRIC_SUMS
+    metric_names, metric_maxima = METRIC_SUMS, METRIC_MAXIMA
     answers_artifact = "eval/completions.json"  # its evaluation is greedy answers to every eval prompt, scored
     answers_hold_every_eval_row = True
 

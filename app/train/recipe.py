@@ -46,7 +46,7 @@ from app.train.checkpoint import (
 )
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
-from app.train.group import RankContext, max_over_ranks
+from app.train.group import RankContext, combined, max_over_ranks, split_maxima
 from app.train.measured import measured_on_workers, measured_params
 from app.train.objectives import objective_for
 from app.train.optimizer import build_optimizer, follow_config
@@ -241,11 +241,14 @@ class FinetuneRecipe:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+        sums, maxima = split_maxima(sums, len(objective.metric_maxima))
         step_totals = torch.cat([real_tokens(micro_batches).to(ctx.device).reshape(1),
                                  self._rows_per_source(micro_batches).to(ctx.device), sums])
         dist.all_reduce(step_totals)  # non-pad token count, records of each source, loss and metric sums
+        if len(maxima):
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         tokens, *totals, normaliser, grad_norm = torch.cat(  # the step's one host sync
-            [step_totals, normaliser.reshape(1), grad_norm.reshape(1).double()]).tolist()
+            [step_totals, maxima, normaliser.reshape(1), grad_norm.reshape(1).double()]).tolist()
         source_rows, (loss_total, *metric_totals) = totals[:len(self.source_names)], totals[len(self.source_names):]
         self.train_loss = loss_total / normaliser
         seconds = time.perf_counter() - t0
@@ -267,18 +270,19 @@ class FinetuneRecipe:
                                                                           self.ctx.world_size)
             return loss, torch.cat([loss_sum.double().reshape(1), metric_sums])
 
-        return self.backward_over(micro_batches, loss_of)
+        return self.backward_over(micro_batches, loss_of, len(self.objective.metric_maxima))
 
-    def backward_over(self, micro_batches: list, loss_of: Callable) -> torch.Tensor:
+    def backward_over(self, micro_batches: list, loss_of: Callable, maxima: int = 0) -> torch.Tensor:
         """`loss_of(batch)` -> (loss, sums) for each micro-batch, each loss backpropagated under its micro-batch's
-        dropout key, gradients reduce-scattered after the last one; the sums added up (this rank's)."""
-        total = 0
+        dropout key, gradients reduce-scattered after the last one; the sums added up (this rank's), the last
+        `maxima` of them kept at their largest."""
+        total = None
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with self.dropout_at(i):
                 loss, sums = loss_of(batch)
                 loss.backward()
-            total = total + sums.double()
+            total = sums.double() if total is None else combined(total, sums.double(), maxima)
         return total
 
     def dropout_at(self, micro_batch: int):

@@ -54,7 +54,7 @@ def test_a_student_distills_a_registered_champion_teacher(ray_cluster, embedded,
     assert run.data.params["train.objective"] == "distill"
     assert run.data.tags["teacher_adapter_sha256"] == file_sha256(teacher / "adapter_model.safetensors")
     for name in ("entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean",
-                 "step_completion_tokens", "rollout/generate_share"):
+                 "sampling/sampling_logp_difference/max", "step_completion_tokens", "rollout/generate_share"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == list(range(1, 7)), name
     assert not client.get_metric_history(run.info.run_id, "reward")  # no reward function: the teacher scores
     base = AutoModelForCausalLM.from_pretrained(embedded["model"])

@@ -201,6 +201,14 @@ def test_truncated_importance_sampling_equals_its_formula_by_hand():
     ratios = torch.exp(old - sampler)[mask.bool()]
     assert figures["rollout/is_ratio_mean"] == pytest.approx(ratios.mean().item(), rel=1e-12)
     assert figures["rollout/is_truncated_share"] == pytest.approx((ratios > 2.0).double().mean().item())
+    sampler[0, 4] -= 50.0  # a token past the answer's end (masked): its gap is no answer's
+    sums = metric_sums((weighted, torch.zeros_like(old), plain > 1e9, plain > 1e9), mask, torch.zeros_like(old),
+                       logps, sampler, old, 2.0)
+    figures = figures_from_sums(sums.tolist(), 0.0)
+    gaps = (logps - sampler).abs()[mask.bool()]  # the sampler's log-probs against the trainer's, answer tokens only
+    assert figures["sampling/sampling_logp_difference/mean"] == pytest.approx(gaps.mean().item(), rel=1e-12)
+    assert figures["sampling/sampling_logp_difference/max"] == pytest.approx(gaps.max().item(), rel=1e-12)
+    assert gaps.max() < 5
 
 
 def test_staleness_counts_optimizer_steps_so_it_refuses_several_iterations_per_batch():

@@ -177,10 +177,14 @@ def test_a_restored_run_samples_and_takes_the_steps_the_uninterrupted_run_took(o
     if ahead:
         assert [whole[s]["rollout/staleness_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
         assert whole[4]["rollout/staleness_max"] == restored[4]["rollout/staleness_max"] == 1  # kept in the checkpoint
+        for step in range(2, 7):  # sampled by the adapter a step behind: the trainer's log-probs differ from it
+            gap = whole[step]["sampling/sampling_logp_difference/mean"]
+            assert 0 < gap < whole[step]["sampling/sampling_logp_difference/max"] < 50, (step, whole[step])
     assert {"eval_reward", "eval_rewards/exact_words/mean", "eval_exact_match"} <= whole[3].keys()
     assert np.isfinite([whole[s]["entropy"] for s in range(1, 7)]).all()
     for step in (4, 5, 6):  # step 4 trains the rollouts the checkpoint kept; 5 samples afresh, seeded alike
-        for key in ("train_loss", "grad_norm", "reward", "entropy", "rollout/is_ratio_mean"):
+        for key in ("train_loss", "grad_norm", "reward", "entropy", "rollout/is_ratio_mean",
+                    "sampling/sampling_logp_difference/max"):
             if key in whole[step]:
                 assert restored[step][key] == pytest.approx(whole[step][key], rel=1e-6, abs=1e-9), (step, key)
     assert results["restored"]["summary"]["final_eval_reward"] == pytest.approx(

@@ -62,10 +62,10 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     plan, inputs = checked_while_ray_starts(plan, sources, startup, verbose)
     plan = plan.decided(*rollout_decisions(plan.cfg, ray.cluster_resources().get("GPU", 0.0)))
     check_placement(plan.cfg)
-    from app.launch.memory_budget import memory_decisions  # start-up: the planner, loaded by the checks' thread
+    from app.launch.memory_budget import memory_decisions, rollout_actor_line  # start-up: loaded by the checks
 
     plan = plan.decided(*memory_decisions(plan.cfg))
-    print_plan(plan)
+    print_plan(plan, rollout_actor_line(plan.cfg))
     claim = ClaimWatch()
     with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile
@@ -100,10 +100,12 @@ def model_stack_checked_in_thread(plan: Plan, sources: CheckedSources,
     return model_stack_checked(plan, sources, startup)
 
 
-def print_plan(plan: Plan) -> None:
-    """What the driver decided for the run, one line each (the workers print what they measure)."""
+def print_plan(plan: Plan, *notes: str | None) -> None:
+    """What the driver decided for the run, one line each, and its notes (the workers print what they measure)."""
     for key, why in plan.reasons.items():
         print(f"plan: {key}={why}", flush=True)
+    for note in filter(None, notes):
+        print(f"plan: {note}", flush=True)
     if objective_of(plan.cfg.train).taught:
         print(f"plan: {where_the_teacher_scores(plan.cfg.distill)}", flush=True)
 

@@ -8,11 +8,13 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError
 
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError, first_line, warn
-from app.plan.memory import GiB
-from app.plan.memory_choices import resolve_memory_choices
+from app.plan.memory import GiB, MemoryPlan, plan_memory
+from app.plan.memory_choices import USABLE, resolve_memory_choices
 from app.plan.plan import Decision
+from app.plan.rollout_sizing import rollout_gpus_each
 
 GPU_PROBE_SECONDS = 120.0
 # On CPU workers the peak measured 2.1-2.3x the plan (allocator cache, gloo and FSDP buffers: docs/performance.md,
@@ -62,7 +64,36 @@ def memory_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
         warn(f"the memory plan of {cfg.model.path} could not be made ({type(e).__name__}: {first_line(e, 200)}); "
              "the run is not checked against the workers' memory")
         return memory_saving_decisions(cfg)
-    return choices.fitting()
+    decisions = choices.fitting()
+    check_rollout_actors(cfg, choices.plan, *budget)
+    return decisions
+
+
+def check_rollout_actors(cfg: FinetuneConfig, plan: MemoryPlan, budget_bytes: float, source: str) -> None:
+    """Rollout actors on GPUs beside GPU workers (the same GPUs, as the cluster's are alike): one actor's plan must
+    fit one GPU, or the run stops here in one line. CPU actors share their node's memory with the workers; the
+    plan prints what they take."""
+    usable = USABLE * budget_bytes
+    on_gpus = rollout_gpus_each(cfg) > 0 and (cfg.scaling.use_gpu or cfg.scaling.device_memory_gb)
+    if not on_gpus or plan.rollout_actor_total <= usable:
+        return
+    raise UserInputError(
+        f"rollout.workers: each rollout actor plans {plan.rollout_actor_total / GiB:.2f} GiB (the whole base, its "
+        f"policy, the KV cache of the answers it decodes at once), more than the {usable / GiB:.1f} GiB usable of a "
+        f"GPU ({source}, 90%): set rollout.batch_rows to decode fewer answers at once, shorten "
+        "rollout.max_completion_tokens, or give the actors larger GPUs; python -m jobs.plan shows the plan")
+
+
+def rollout_actor_line(cfg: FinetuneConfig) -> str | None:
+    """What each rollout actor takes, as the plan prints it (None: nothing samples online, or no plan is made)."""
+    if not objective_of(cfg.train).samples_online:
+        return None
+    try:
+        plan = plan_memory(cfg)
+    except (AttributeError, KeyError, ValueError):
+        return None
+    parts = "; ".join(f"{name} {value / GiB:.2f}" for name, value in plan.rollout_actor.items())
+    return f"each rollout actor plans {plan.rollout_actor_total / GiB:.2f} GiB ({parts} GiB; python -m jobs.plan)"
 
 
 def memory_saving_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:

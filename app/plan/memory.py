@@ -19,6 +19,8 @@ from app.config.distill import teacher_model
 from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.config.sections import ModelSection
+from app.engine.cache import SlotCache
+from app.engine.merging import lora_layers
 from app.model.hardware import has_fast_bf16
 from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 from app.plan.dtypes import planned_dtypes
@@ -40,6 +42,11 @@ class MemoryPlan:
     model_config: object = None  # the transformers config: what activations of other batch shapes are planned from
     compute_bytes: int = 4
     num_layers: int = 0
+    rollout_actor: dict[str, float] = field(default_factory=dict)  # component -> bytes of one rollout actor
+
+    @property
+    def rollout_actor_total(self) -> float:
+        return sum(self.rollout_actor.values())
 
     @property
     def device_total(self) -> float:
@@ -91,7 +98,43 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
     plan.device[ACTIVATIONS] = activation_bytes(model.config, cfg, compute, len(layers))
     if objective_of(cfg.train).taught:
         plan.device[TEACHER] = teacher_bytes(model.config, cfg, lora / shard, compute)
+    if objective_of(cfg.train).samples_online:
+        plan.rollout_actor = rollout_actor_bytes(cfg, model, base, lora, compute)
     return plan
+
+
+def rollout_actor_bytes(cfg: FinetuneConfig, model, base: int, lora: int, compute: int) -> dict[str, float]:
+    """One rollout actor, apart from the workers (its engine holds the whole base, not sharded): the base in the
+    compute dtype; the policy, as LoRA weights beside it (fp32) or merged in (rollout.policy: merged keeps an
+    untouched copy of every adapted weight to merge each sync from); the KV cache of the answers it decodes at
+    once (rollout.batch_rows, or its share of a step's answers) at their longest; a decoding step's logits."""
+    rollout, config = cfg.rollout, model.config
+    actors = 1 if rollout.workers == "auto" else rollout.workers  # auto: one until the driver sizes them
+    rows = rollout.batch_rows or math.ceil(cfg.train.global_batch_size / actors)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_position = config.num_hidden_layers * 2 * kv_heads * head_dim * compute
+    slots, positions = slot_cache_size(rows, cfg.data.max_seq_len + rollout.max_completion_tokens)
+    if rollout.policy == "lora":
+        policy = ("policy: LoRA weights beside the base (fp32)", lora * 4)
+    else:
+        adapted = sum(layer.get_base_layer().weight.numel() for _, layer in lora_layers(model))
+        policy = ("merged policy: untouched weights (host)", adapted * compute)
+    return {"whole base (compute dtype)": base * compute, policy[0]: policy[1],
+            f"KV cache: {slots} slots x {positions} positions": slots * positions * per_position,
+            "a decoding step's logits (fp32)": rows * config.vocab_size * 4 * 2}
+
+
+def slot_cache_size(rows: int, positions: int) -> tuple[int, int]:
+    """The engine's slot cache for `rows` sequences of `positions` (app/engine/cache.py: from its starting size,
+    doubled until they fit)."""
+    slots, capacity = SlotCache().slots, SlotCache().capacity
+    while slots < rows:
+        slots *= 2
+    while capacity < positions:
+        capacity *= 2
+    return slots, capacity
 
 
 def teacher_bytes(config, cfg: FinetuneConfig, lora_shard: float, compute: int) -> float:
@@ -160,6 +203,11 @@ def format_plan(plan: MemoryPlan, device_memory_gb: float | None) -> str:
         for name, value in parts.items():
             lines.append(f"  {where:<18} {name:<42} {value / GiB:9.3f} GiB")
     lines.append(f"  {'device':<18} {'total':<42} {plan.device_total / GiB:9.3f} GiB")
+    if plan.rollout_actor:
+        lines.append("each rollout actor (beside the workers; on a GPU of its own with rollout.gpus):")
+        for name, value in plan.rollout_actor.items():
+            lines.append(f"  {'actor':<18} {name:<42} {value / GiB:9.3f} GiB")
+        lines.append(f"  {'actor':<18} {'total':<42} {plan.rollout_actor_total / GiB:9.3f} GiB")
     if device_memory_gb:
         fits = plan.device_total <= 0.9 * device_memory_gb * GiB  # CUDA context, allocator fragmentation
         lines.append(f"{'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB per device "

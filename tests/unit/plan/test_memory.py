@@ -4,10 +4,13 @@ memory the way FSDP does, a fit verdict, and a one-line error for a model it can
 import pytest
 
 from app.config.loading import load_config
+from app.errors import UserInputError
+from app.launch.memory_budget import check_rollout_actors
 from app.model.build import build_lora_model
-from app.plan.memory import plan_memory
+from app.plan.memory import GiB, plan_memory
+from app.train.sampling import build_sampler
 from jobs.plan import main
-from tests.helpers import EMBEDDED_CONFIG, REPO
+from tests.helpers import EMBEDDED_CONFIG, REPO, make_config
 
 SHAPE_8B = str(REPO / "benchmarks" / "shapes" / "llama31_8b.json")
 
@@ -54,3 +57,48 @@ def test_an_unreadable_model_is_one_line_exit_2(tmp_path, capsys):
     assert main(["--config", str(EMBEDDED_CONFIG), "--set", f"model.path={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: model.path={tmp_path}: no config.json") and "\n" not in err
+
+
+@pytest.mark.parametrize("policy", ["merged", "lora"])
+def test_a_rollout_actors_plan_counts_what_its_sampler_holds_after_a_step(policy, embedded, tmp_path):
+    """GRPO's rollout actor, planned from the config, against the sampler it runs after decoding a step's answers
+    (the whole base, its policy merged in or beside, the engine's KV cache): each figure is what it holds."""
+    cfg = make_config(tmp_path, embedded, "train.objective=grpo",
+                      f"grpo.reward_funcs=[{REPO}/jobs/rewards.py:exact_words]", "rollout.num_generations=4",
+                      "rollout.max_completion_tokens=8", "train.global_batch_size=16", "train.micro_batch_size=4",
+                      "data.max_seq_len=24", "rollout.workers=1", f"rollout.policy={policy}", "model.dtype=float32",
+                      "fsdp.param_dtype=float32", "model.gradient_checkpointing=false")
+    actor = plan_memory(cfg).rollout_actor
+    sampler = build_sampler(cfg)
+    prompts = [[5 + i] * 24 for i in range(4)]  # the longest prompts data.max_seq_len admits
+    sampler.sample(prompts, cfg.rollout, seed=0)  # 4 answers each: a step of 16
+    held = sum(p.numel() * p.element_size() for n, p in sampler.model.named_parameters() if "lora_" not in n)
+    assert actor["whole base (compute dtype)"] == held
+    cache = sampler.core.cache
+    cached = sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
+    [kv] = [value for name, value in actor.items() if name.startswith("KV cache")]
+    assert cached > 0 and kv == cached
+    if policy == "merged":
+        untouched = sum(w.numel() * w.element_size() for w in sampler.merged.untouched)
+        assert actor["merged policy: untouched weights (host)"] == untouched
+    else:
+        lora = sum(p.numel() * 4 for n, p in sampler.model.named_parameters() if "lora_" in n)
+        assert actor["policy: LoRA weights beside the base (fp32)"] == lora
+
+
+def test_a_gpu_rollout_actor_that_does_not_fit_its_gpu_is_refused_in_one_line(tmp_path):
+    """An 8B GRPO run: each actor holds the whole base (16 GB in bf16) and its KV cache; on 16 GiB GPUs it cannot,
+    said before any worker or actor starts. On CPUs the actor shares its node's memory: printed, not refused."""
+    cfg = load_config(REPO / "jobs" / "configs" / "smollm2_grpo.yaml", [
+        "scaling.use_gpu=true", "rollout.workers=2", "rollout.gpus=1", "rollout.policy=lora",
+        "model.gradient_checkpointing=false"])
+    plan = plan_memory(cfg, SHAPE_8B)
+    assert plan.rollout_actor["whole base (compute dtype)"] == pytest.approx(8.03e9 * 2, rel=0.01)
+    check_rollout_actors(cfg, plan, 80 * GiB, "a GPU of the cluster")  # fits an 80 GB GPU
+    with pytest.raises(UserInputError) as refused:
+        check_rollout_actors(cfg, plan, 16 * GiB, "a GPU of the cluster")
+    message = str(refused.value)
+    assert message.startswith("rollout.workers: each rollout actor plans ") and "\n" not in message
+    assert "rollout.batch_rows" in message
+    on_cpus = cfg.with_set({"scaling.use_gpu": False, "rollout.gpus": 0})
+    check_rollout_actors(on_cpus, plan_memory(on_cpus, SHAPE_8B), 16 * GiB, "host")

@@ -16,13 +16,14 @@ class DistillSection(Section):
 
     teacher: str | None = Field(None, description="the teacher's base: any model source the job loads (a folder, "
                                 "a .gguf file, a packaged model such as .cache/models/smollm2-135m-instruct), with "
-                                "the student's tokenizer; each worker holds a whole frozen copy. None: the "
-                                "student's own base (model.path), which then costs no second copy")
+                                "the student's tokenizer; loaded as model.load says and sharded over the workers "
+                                "as the student is, frozen. None: the student's own base (model.path), which then "
+                                "costs no second copy")
     teacher_adapter: str | None = Field(None, description="a LoRA adapter on the teacher's base, e.g. a GRPO run's: "
                                         "an adapter folder, a run name under train.output_dir, or a registered "
                                         "version (models:/NAME@champion, models:/NAME/VERSION). On the student's "
                                         "base it rides beside the student's adapter on the same sharded model, "
-                                        "frozen; on a teacher of its own it is merged into that copy")
+                                        "frozen; on a teacher of its own base, beside that base, frozen")
     beta: float = Field(1.0, ge=0.0, le=1.0, description="which divergence between the student's (s) and teacher's "
                         "(t) next-token distributions: 1.0, the reverse KL(s || t) (the student's own mistakes "
                         "weigh most); 0.0, the forward KL(t || s); between, the generalized JSD with the mixture "
@@ -31,9 +32,10 @@ class DistillSection(Section):
 
 def teacher_model(model: ModelSection, distill: DistillSection) -> ModelSection:
     """The teacher's base as the model section that loads it: the student's, or with distill.teacher in its place
-    (loaded as it is: no revision, no quantization, no starting adapter of the student's)."""
+    (loaded as it is: no revision, no quantization, no starting adapter of the student's, no checkpointing)."""
     if distill.teacher is None:
         return model
     return ModelSection.model_validate(model.model_dump() | {"path": distill.teacher, "revision": None,
                                                              "gguf_file": None, "init_adapter": None,
-                                                             "quantization": "none"})
+                                                             "quantization": "none",
+                                                             "gradient_checkpointing": False})  # no backward

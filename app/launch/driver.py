@@ -116,8 +116,9 @@ def where_the_teacher_scores(distill: DistillSection) -> str:
         return (f"distill.teacher_adapter={distill.teacher_adapter} (scored on the trainer workers: a frozen second "
                 "adapter on their sharded base, one forward without gradients per micro-batch, no second copy of the "
                 "base; counted in the memory plan)")
-    merged = f", with distill.teacher_adapter={distill.teacher_adapter} merged in" if distill.teacher_adapter else ""
-    return (f"distill.teacher={distill.teacher} (scored on the trainer workers: whole and frozen on each{merged}, one "
+    beside = f", with distill.teacher_adapter={distill.teacher_adapter} beside it" if distill.teacher_adapter else ""
+    return (f"distill.teacher={distill.teacher} (scored on the trainer workers: sharded over them as the student is "
+            f"and frozen{beside}, one "
             "forward without gradients per micro-batch; counted in the memory plan)")
 
 

@@ -26,7 +26,7 @@ from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 from app.plan.dtypes import planned_dtypes
 
 GiB = 2**30
-TEACHER = "distillation teacher (frozen adapter, its logits)"
+TEACHER = "distillation teacher (its weights or adapter, logits)"
 ACTIVATIONS = "activations (estimate)"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -97,7 +97,7 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
                                                               + dequantized)
     plan.device[ACTIVATIONS] = activation_bytes(model.config, cfg, compute, len(layers))
     if objective_of(cfg.train).taught:
-        plan.device[TEACHER] = teacher_bytes(model.config, cfg, lora / shard, compute)
+        plan.device[TEACHER] = teacher_bytes(model.config, cfg, lora / shard, shard, compute)
     if objective_of(cfg.train).samples_online:
         plan.rollout_actor = rollout_actor_bytes(cfg, model, base, lora, compute)
     return plan
@@ -137,16 +137,22 @@ def slot_cache_size(rows: int, positions: int) -> tuple[int, int]:
     return slots, capacity
 
 
-def teacher_bytes(config, cfg: FinetuneConfig, lora_shard: float, compute: int) -> float:
+def teacher_bytes(config, cfg: FinetuneConfig, lora_shard: float, shard: int, compute: int) -> float:
     """Distillation's teacher beside the student: on the student's base its frozen adapter (sharded, fp32; counted
-    at the student's size, its own shape is read later by the driver), or a teacher of its own base whole in the
-    compute dtype; and the full-vocabulary loss over a micro-batch's prompt + answer: the teacher's logits and
-    log-probabilities (fp32, no gradient) and the divergence's own intermediates."""
+    at the student's size, its own shape is read later by the driver), or a teacher of its own base sharded as the
+    student's is (its share, and in the compute dtype two decoder layers and its root gathered at a time); and the
+    full-vocabulary loss over a micro-batch's prompt + answer: the teacher's logits and log-probabilities (fp32, no
+    gradient) and the divergence's own intermediates."""
     from app.model.base import build_meta_base_model
+    from app.model.sharding import decoder_layers
 
     tokens = cfg.train.micro_batch_size * (cfg.data.max_seq_len + cfg.rollout.max_completion_tokens)
-    weights = lora_shard * 4 if cfg.distill.teacher is None else compute * sum(
-        p.numel() for p in build_meta_base_model(teacher_model(cfg.model, cfg.distill)).parameters())
+    weights = lora_shard * 4
+    if cfg.distill.teacher is not None:
+        teacher = build_meta_base_model(teacher_model(cfg.model, cfg.distill))
+        total = sum(p.numel() for p in teacher.parameters())
+        layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(teacher)]
+        weights = compute * (total / shard + 2 * max(layers) + total - sum(layers))
     return weights + tokens * config.vocab_size * 4 * 5
 
 

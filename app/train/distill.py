@@ -12,7 +12,8 @@ rollout.importance_correction=tis a token sampled by a stale adapter is weighted
 
 The teacher is the student's base with the teacher's adapter (distill.teacher_adapter), the frozen second adapter
 of the same sharded model (app/model/adapter.py's REFERENCE, as DPO's starting adapter is): switching it in costs
-the teacher one forward without gradients and no second copy of the base.
+the teacher one forward without gradients and no second copy of the base. A teacher of its own base
+(distill.teacher) is built and sharded as the student is, over the same mesh (sharded_teacher).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from app.config.distill import teacher_model
 from app.config.schema import FinetuneConfig
-from app.config.sections import ModelSection
 from app.data.chat import IGNORE_INDEX, pad_id
-from app.model.adapter import FrozenAdapter, apply_lora, load_adapter_weights
-from app.model.base import load_base_model
+from app.model.adapter import FrozenAdapter
+from app.model.build import build_training_model
+from app.model.sharding import reshard
 from app.train.dpo import reference_switch
 from app.train.group import RankContext
 from app.train.grpo import importance_weights
@@ -38,7 +40,6 @@ from app.train.reward_eval import greedy_eval_answers, scored_table
 
 METRIC_SUMS = ("entropy", "sampler_gap", "tokens")
 METRIC_MAXIMA = ("sampler_gap_max",)  # after the sums, all-reduced by MAX
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
@@ -76,6 +77,8 @@ def token_divergences(model, batch: dict, temperature: float, beta: float, teach
     student = next_token_logps(model, ids, start, temperature)
     with torch.no_grad(), contextlib.nullcontext() if teacher_model else reference_switch(model):
         teacher = next_token_logps(teacher_model or model, ids, start, temperature)
+    if teacher_model is not None:
+        reshard(teacher_model)  # its root stays gathered after a forward (as the student's): freed till the next
     targets = labels[:, 1 + start:].to(student.device)
     mask = targets != IGNORE_INDEX
     divergence = generalized_jsd(student, teacher, beta)
@@ -97,7 +100,7 @@ class Distillation:
         self.cfg, self.rollout, self.beta = cfg, cfg.rollout, cfg.distill.beta
         self.answers: dict[str, list] | None = None
         self.teacher_adapter: FrozenAdapter | None = None  # a teacher of its own base: its adapter, until loaded
-        self.teacher_model = None  # that teacher, whole on this worker, loaded at its first forward
+        self.teacher_model = None  # that teacher, sharded like the student, built at its first forward
 
     def reference_adapter(self, init_adapter: dict | None, teacher: FrozenAdapter | None) -> FrozenAdapter | None:
         """The teacher's adapter, frozen beside the student's, where the teacher is the student's base; a teacher
@@ -108,13 +111,13 @@ class Distillation:
         return None
 
     def teacher(self, model):
-        """The teacher model of its own base (None: the student's model is the teacher's too), loaded on the
-        first call in the student's compute dtype and device, its adapter merged in."""
+        """The teacher model of its own base (None: the student's model is the teacher's too), built on the first
+        call as the student was (model.load, the dtypes) and sharded over the student's mesh, frozen."""
         if self.cfg.distill.teacher is None or self.teacher_model is not None:
             return self.teacher_model
-        weight = model.get_input_embeddings().weight
-        base = teacher_model(self.cfg.model, self.cfg.distill)
-        self.teacher_model = loaded_teacher(base, self.teacher_adapter, weight.dtype, weight.device)
+        reshard(model)  # after a forward without gradients the gathered copies stand in for the shards
+        shard = next(p for p in model.parameters() if p.requires_grad)  # a DTensor on the student's mesh
+        self.teacher_model = sharded_teacher(self.cfg, self.teacher_adapter, shard.device_mesh, shard.device)
         self.teacher_adapter = None
         return self.teacher_model
 
@@ -181,13 +184,15 @@ class Distillation:
         return (total[0] / total[1].clamp(min=1)).item()
 
 
-def loaded_teacher(base: ModelSection, adapter: FrozenAdapter | None, dtype: torch.dtype, device: torch.device):
-    """A teacher of its own base, frozen, in `dtype` on `device`, with its adapter (if any) merged in."""
-    model = load_base_model(ModelSection.model_validate(base.model_dump() | {"dtype": DTYPE_NAMES[dtype]}), device)
-    if adapter is not None:
-        model = apply_lora(model, adapter.lora, seed=0)
-        load_adapter_weights(model, adapter.weights)
-        model = model.merge_and_unload()
+def sharded_teacher(cfg: FinetuneConfig, adapter: FrozenAdapter | None, mesh: DeviceMesh, device: torch.device):
+    """A teacher of its own base (distill.teacher) built as the student is: loaded as model.load says, each
+    decoder layer and the root fully_shard-ed over the student's mesh, so a teacher several times the student's
+    size costs each worker its share; its adapter (if any) beside its base, frozen (without one, a fresh LoRA:
+    lora_B = 0 adds nothing)."""
+    base = teacher_model(cfg.model, cfg.distill)
+    lora = adapter.lora if adapter is not None else cfg.lora
+    model = build_training_model(base, lora, cfg.fsdp, mesh, cfg.train.seed, device,
+                                 init_adapter=adapter.weights if adapter is not None else None)
     return model.eval().requires_grad_(False)
 
 

@@ -94,16 +94,20 @@ def _distill_rank(rank: int, world: int, embedded: dict, out: str, teacher: str,
 
 @pytest.mark.slow
 def test_the_student_moves_toward_the_teacher_on_its_own_answers(embedded, tmp_path):
-    """The same teacher twice: an adapter beside the student's on its base, and that adapter merged into a base of
-    its own (distill.teacher): the same first step, and either way the divergence falls."""
+    """The same teacher three ways: an adapter beside the student's on its base; that adapter merged into a base of
+    its own (distill.teacher), sharded over both ranks as the student is; a base of its own with the adapter beside
+    it: the same first step, and each way the divergence falls."""
     adapter = make_teacher(embedded, tmp_path / "teacher", tmp_path)
     own_base = make_teacher_base(embedded, tmp_path / "teacher-base")
     first_losses = []
-    for name, teacher in (("beside", f"distill.teacher_adapter={adapter}"), ("own", f"distill.teacher={own_base}")):
+    for name, *teacher in (("beside", f"distill.teacher_adapter={adapter}"),
+                           ("own", f"distill.teacher={own_base}", "scaling.mesh=null"),
+                           ("own-with-adapter", f"distill.teacher={embedded['model']}",
+                            f"distill.teacher_adapter={adapter}")):
         assert make_config(tmp_path, embedded, *[s for s in GRPO if "reward" not in s], "train.objective=distill",
-                           teacher).distill.beta == 1.0  # TRL's default: reverse KL
+                           *teacher).distill.beta == 1.0  # TRL's default: reverse KL
         (tmp_path / name).mkdir()
-        run_ranks(_distill_rank, 2, embedded, str(tmp_path / name), teacher)
+        run_ranks(_distill_rank, 2, embedded, str(tmp_path / name), *teacher)
         results = json.loads((tmp_path / name / "results.json").read_text())
         metrics = {int(step): figures for step, figures in results["metrics"].items()}
         first, last = metrics[0]["eval_loss"], metrics[8]["eval_loss"]
@@ -115,6 +119,7 @@ def test_the_student_moves_toward_the_teacher_on_its_own_answers(embedded, tmp_p
         assert "reward" not in metrics[1]
         first_losses.append(losses[0])
     assert first_losses[1] == pytest.approx(first_losses[0], rel=1e-3)
+    assert first_losses[2] == pytest.approx(first_losses[0], rel=1e-3)
 
 
 def test_a_resumed_distillation_refuses_another_teacher():

@@ -2,6 +2,7 @@
 GRPOTrainer with PEFT LoRA and its own generation (no vLLM), both from one GRPO config.
 
     python -m benchmarks.trl_grpo --config jobs/configs/smollm2_grpo.yaml --steps 15 [--staleness 0 1]
+        [--engines transformers vllm]
     python -m jobs.finetune --config jobs/configs/embedded.yaml --set train.run_name=numbers-sft
     python -m benchmarks.trl_grpo --config jobs/configs/embedded_grpo.yaml --adapter outputs/numbers-sft/adapter
 
@@ -14,8 +15,11 @@ runs under torchrun with gloo and FSDP2 via accelerate (benchmarks/trl_sft.py's 
 job. Figures per side: completions per second per worker in the steady state (the first --warmup steps left out),
 peak memory per worker (the max over workers), and each reward function's mean over the held-out prompts answered
 greedily by the saved adapter in plain PEFT (benchmarks/exact_match.py), with the start's beside them. With
---staleness the job runs once per rollout.max_staleness given (k > 0 with importance_correction tis), each beside TRL
-(`jobs`; `job` is the first). Prints one JSON line and writes <out>/trl_grpo.json.
+--staleness the job runs once per rollout.max_staleness given (k > 0 with importance_correction tis), and with
+--engines once per rollout engine (`--engines transformers vllm`: this project's loop and vLLM, each from its own
+actors), each beside TRL (`jobs`; `job` is the first); each job's sampler-vs-trainer log-prob gap (mean over its
+steps, and the largest) and its whole command's seconds come with it. Prints one JSON line and writes
+<out>/trl_grpo.json.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput figure")
     p.add_argument("--staleness", type=int, nargs="+", help="the job once per rollout.max_staleness (default: the "
                    "config's); k > 0 with rollout.importance_correction=tis")
+    p.add_argument("--engines", nargs="+", choices=["transformers", "vllm"], help="the job once per rollout.engine "
+                   "(default: the config's), each with every --staleness")
     p.add_argument("--out", default="outputs/benchmark/grpo")
     p.add_argument("--model-path", help=argparse.SUPPRESS)  # the torchrun side: the resolved model folder
     p.add_argument("--train-file", help=argparse.SUPPRESS)  # the torchrun side: the resolved train prompts
@@ -66,6 +72,7 @@ def run_job(args, cfg, sets: list[str], name: str = "trl-grpo-job") -> dict:
              f"train.run_name={name}-{time.strftime('%Y%m%d-%H%M%S')}"]
     summary, curve, steady, seconds = run_job_steadily(args.config, sets + bench, args.warmup)
     generate, idle = curve("rollout/generate_share"), curve("rollout/trainer_idle_share")
+    gaps = curve("sampling/sampling_logp_difference/mean")  # every step's: the sampler against the trainer
     workers = cfg.scaling.num_workers
     return {"completions_per_second_per_worker": cfg.train.global_batch_size * len(steady) / seconds / workers,
             "step_seconds_steady": seconds / len(steady), "peak_memory_gb": summary["peak_memory_gb"],
@@ -73,7 +80,9 @@ def run_job(args, cfg, sets: list[str], name: str = "trl-grpo-job") -> dict:
             "trainer_idle_share": sum(idle[s] for s in steady) / len(steady),
             "staleness_mean": sum(curve("rollout/staleness_mean")[s] for s in steady) / len(steady),
             "sync_bytes_per_step": max(curve("rollout/sync_bytes").values(), default=0.0),
-            "adapter": summary["adapter_path"]}
+            "sampler_gap_mean": sum(gaps.values()) / max(len(gaps), 1),
+            "sampler_gap_max": max(curve("sampling/sampling_logp_difference/max").values(), default=0.0),
+            "whole_command_seconds": summary.get("wall_seconds"), "adapter": summary["adapter_path"]}
 
 
 def staleness_overrides(k: int) -> list[str]:
@@ -149,8 +158,10 @@ def main(argv=None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"config": args.config, "overrides": overrides(args), "model": cfg.model.path,
               "steps": cfg.train.max_steps, "warmup": args.warmup, "workers": cfg.scaling.num_workers,
-              "jobs": {f"max_staleness={k}": run_job(args, cfg, overrides(args) + staleness_overrides(k))
-                       for k in args.staleness or [cfg.rollout.max_staleness]}}
+              "jobs": {f"max_staleness={k}" + (f", engine={e}" if args.engines else ""):
+                       run_job(args, cfg, overrides(args) + staleness_overrides(k) + [f"rollout.engine={e}"])
+                       for e in args.engines or [cfg.rollout.engine] for k in args.staleness or
+                       [cfg.rollout.max_staleness]}}
     result["job"] = next(iter(result["jobs"].values()))
     flags = [f"--config={args.config}", *(f"--set={o}" for o in args.set), f"--warmup={args.warmup}",
              f"--model-path={cfg.model.path}", f"--train-file={sources.train[0].files[0]}",

@@ -153,9 +153,14 @@ def grpo_has_rewards(train: TrainSection, grpo: GrpoSection, rollout: RolloutSec
     return None
 
 
-def distill_has_a_teacher(train: TrainSection, distill: DistillSection, model: ModelSection) -> str | None:
+def distill_has_a_teacher(train: TrainSection, distill: DistillSection, model: ModelSection,
+                          grpo: GrpoSection) -> str | None:
     if not objective_of(train).taught:
         return None
+    if grpo.num_iterations != 1 or grpo.beta:  # the rollout stream and reference forward read them
+        key = "grpo.num_iterations" if grpo.num_iterations != 1 else "grpo.beta"
+        return (f"{key}={getattr(grpo, key.split('.')[1])} is GRPO's, and would change how train.objective=distill "
+                "trains (several steps per batch, or a reference forward nothing uses): leave it out")
     if distill.teacher_adapter is None and distill.teacher is None:
         return ("train.objective=distill needs a teacher: distill.teacher_adapter (a LoRA adapter on the student's "
                 "base: an adapter folder, a run name under train.output_dir, or models:/NAME@champion), or "

@@ -64,8 +64,9 @@ def run_finetune(cfg: FinetuneConfig, resume: bool = False, verbose: bool = Fals
     check_placement(plan.cfg)
     from app.launch.memory_budget import memory_decisions, rollout_actor_line  # start-up: loaded by the checks
 
-    plan = plan.decided(*memory_decisions(plan.cfg))
-    print_plan(plan, rollout_actor_line(plan.cfg))
+    decisions, memory = memory_decisions(plan.cfg)
+    plan = plan.decided(*decisions)
+    print_plan(plan, rollout_actor_line(memory))
     claim = ClaimWatch()
     with claimed_run(cfg.run_dir, resume, on_lost=claim.lost) as run_to_continue:
         from app.launch import recording  # start-up: MLflow, loaded by the checks' thread meanwhile

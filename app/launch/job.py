@@ -51,7 +51,7 @@ class WorkerLaunch:
     mlflow_credentials: dict[str, str] = field(default_factory=dict, repr=False)
     init_adapter: ray.ObjectRef | None = None  # model.init_adapter's weights, put in the object store by the driver
     teacher: ray.ObjectRef | None = None  # distill.teacher_adapter's settings and weights (a FrozenAdapter), likewise
-    rollouts: tuple = ()  # GRPO's rollout actors (app/launch/rollout_group.py)
+    rollouts: tuple = ()  # the rollout actors of GRPO or distillation (app/launch/rollout_group.py)
     trial: TrialLink | None = None  # a sweep's trial: where it starts, and that its reports may be its last
     adapter_passes: dict = field(default_factory=dict)  # adapters with data of their own: name -> its coordinator
 

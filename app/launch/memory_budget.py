@@ -8,10 +8,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError
 
-from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError, first_line, warn
-from app.plan.memory import GiB, MemoryPlan, plan_memory
+from app.plan.memory import GiB, MemoryPlan
 from app.plan.memory_choices import USABLE, resolve_memory_choices
 from app.plan.plan import Decision
 from app.plan.rollout_sizing import rollout_gpus_each
@@ -51,10 +50,11 @@ def worker_memory_budget(cfg: FinetuneConfig) -> tuple[float, str]:
                                                f"/ {HOST_PEAK_OVER_PLAN:g}: CPU peaks over plans")
 
 
-def memory_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
-    """Checkpointing, micro-batch and mesh decided where `auto` (app/plan/memory_choices.py); a one-line error when
-    the plan does not fit the worker's memory. A model the planner cannot read (an architecture without the usual
-    config fields) trains unchecked, its `auto` values the memory-saving ones."""
+def memory_decisions(cfg: FinetuneConfig) -> tuple[tuple[Decision, ...], MemoryPlan | None]:
+    """Checkpointing, micro-batch and mesh decided where `auto` (app/plan/memory_choices.py), and the plan they
+    make; a one-line error when the plan does not fit the worker's memory, or a rollout actor's its GPU. A model the
+    planner cannot read (an architecture without the usual config fields) trains unchecked, its `auto` values the
+    memory-saving ones (and no plan)."""
     budget = worker_memory_budget(cfg)
     try:
         choices = resolve_memory_choices(cfg, *budget)
@@ -63,10 +63,10 @@ def memory_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
     except (AttributeError, KeyError, ValueError) as e:
         warn(f"the memory plan of {cfg.model.path} could not be made ({type(e).__name__}: {first_line(e, 200)}); "
              "the run is not checked against the workers' memory")
-        return memory_saving_decisions(cfg)
+        return memory_saving_decisions(cfg), None
     decisions = choices.fitting()
     check_rollout_actors(cfg, choices.plan, *budget)
-    return decisions
+    return decisions, choices.plan
 
 
 def check_rollout_actors(cfg: FinetuneConfig, plan: MemoryPlan, budget_bytes: float, source: str) -> None:
@@ -84,16 +84,14 @@ def check_rollout_actors(cfg: FinetuneConfig, plan: MemoryPlan, budget_bytes: fl
         "rollout.max_completion_tokens, or give the actors larger GPUs; python -m jobs.plan shows the plan")
 
 
-def rollout_actor_line(cfg: FinetuneConfig) -> str | None:
-    """What each rollout actor takes, as the plan prints it (None: nothing samples online, or no plan is made)."""
-    if not objective_of(cfg.train).samples_online:
-        return None
-    try:
-        plan = plan_memory(cfg)
-    except (AttributeError, KeyError, ValueError):
+def rollout_actor_line(plan: MemoryPlan | None) -> str | None:
+    """What each rollout actor takes, as the driver prints it (None: nothing samples online, or no plan was made)."""
+    if plan is None or not plan.rollout_actor:
         return None
     parts = "; ".join(f"{name} {value / GiB:.2f}" for name, value in plan.rollout_actor.items())
-    return f"each rollout actor plans {plan.rollout_actor_total / GiB:.2f} GiB ({parts} GiB; python -m jobs.plan)"
+    host = "; ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.rollout_actor_host.items())
+    return (f"each rollout actor plans {plan.rollout_actor_total / GiB:.2f} GiB on its device ({parts} GiB)"
+            + (f" and on its host: {host}" if host else "") + "; python -m jobs.plan shows the whole plan")
 
 
 def memory_saving_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:

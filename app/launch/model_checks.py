@@ -121,6 +121,13 @@ def check_teacher_tokenizer(cfg: FinetuneConfig, tokenizer) -> None:
         raise UserInputError(f"{where} has another tokenizer than model.path={cfg.model.path} ({len(theirs)} against "
                              f"{len(tokenizer)} tokens, or the same count told apart): the divergence compares "
                              "their distributions token by token; take a teacher of the student's family")
+    for key, model in (("model.path", cfg.model), ("distill.teacher", teacher_model(cfg.model, cfg.distill))):
+        rows = AutoConfig.from_pretrained(model.path, revision=model.revision,
+                                          trust_remote_code=model.trust_remote_code).get_text_config().vocab_size
+        if rows < len(tokenizer):
+            raise UserInputError(f"{key}={model.path}: its output layer has {rows} rows for the tokenizer's "
+                                 f"{len(tokenizer)} tokens: the teacher's and the student's distributions would "
+                                 "not cover the same tokens; take a model whose vocab_size covers its tokenizer")
 
 
 def found_adapter(cfg: FinetuneConfig, key: str, source: str, base: ModelSection | None = None) -> Path:

@@ -112,19 +112,7 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
             eval_rows[data] = ray.get(rows)
         return column_batches(eval_rows[data], cfg.train.micro_batch_size, ctx.device)
 
-    export_tracking_credentials()  # the config holds the URI without them
-    for variable, value in launch.mlflow_credentials.items():
-        os.environ.setdefault(variable, value)
-    if ctx.is_main:  # only the rank that logs imports MLflow (a second of CPU per process)
-        from app.tracking.logger import RunLogger  # start-up: rank 0 only
-
-        tracker = RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir,
-                            # a PBT copy's first start logs its steps after the copied one anew; a restart of
-                            # the group from its own later checkpoint replays what it logged
-                            logged_through=launch.trial.copied_step if launch.trial and
-                            ray.train.get_checkpoint() is None else None)
-    else:
-        tracker = NoTracking()
+    tracker = rank_tracker(cfg, launch, ctx)
     system = start_system_metrics(cfg, launch.mlflow_run_id) if ctx.is_main else None
     rollouts, scorer = online_sides(cfg, launch, ctx.rank)
     try:
@@ -132,10 +120,12 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
                                      # a sweep may stop a trial at any report: what it logged is sent first
                                      tracker.flush if launch.trial and ctx.is_main else None)
         recipe = SideBySideRecipe if cfg.adapters else FinetuneRecipe
-        parts = RecipeParts(tracker, checkpoints, cfg.run_dir, launch.job_start_time, startup, launch.source_names,
-                            ray.get(launch.init_adapter) if launch.init_adapter is not None else None,
-                            ray.get(launch.teacher) if launch.teacher is not None else None,
-                            worker_hooks.step_pacing(), rollouts, scorer)
+        parts = RecipeParts(
+            tracker=tracker, checkpoints=checkpoints, run_dir=cfg.run_dir, job_start_time=launch.job_start_time,
+            startup=startup, source_names=launch.source_names,
+            init_adapter=ray.get(launch.init_adapter) if launch.init_adapter is not None else None,
+            teacher=ray.get(launch.teacher) if launch.teacher is not None else None,
+            pace=worker_hooks.step_pacing(), rollouts=rollouts, scorer=scorer)
         recipe(plan, ctx, train_pass, eval_pass, parts).train()
     except DataNotBuilt:  # the driver says why in one line; a traceback from every rank would bury it
         return
@@ -144,6 +134,22 @@ def train_rank(launch: WorkerLaunch, startup: StartupClock) -> None:
             system.finish()
         if ctx.is_main:
             tracker.close()
+
+
+def rank_tracker(cfg: FinetuneConfig, launch: WorkerLaunch, ctx: RankContext):
+    """Rank 0's logger to the job's MLflow run (with the credentials the driver sent), the others' NoTracking."""
+    export_tracking_credentials()  # the config holds the URI without them
+    for variable, value in launch.mlflow_credentials.items():
+        os.environ.setdefault(variable, value)
+    if not ctx.is_main:
+        return NoTracking()
+    from app.tracking.logger import RunLogger  # start-up: only the rank that logs imports MLflow (a second of CPU)
+
+    return RunLogger(cfg.mlflow.tracking_uri, launch.mlflow_run_id, cfg.run_dir,
+                     # a PBT copy's first start logs its steps after the copied one anew; a restart of the group
+                     # from its own later checkpoint replays what it logged
+                     logged_through=launch.trial.copied_step if launch.trial and
+                     ray.train.get_checkpoint() is None else None)
 
 
 def online_sides(cfg: FinetuneConfig, launch: WorkerLaunch, rank: int) -> tuple:

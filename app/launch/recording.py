@@ -9,6 +9,7 @@ import os
 import ray
 from mlflow.tracking import MlflowClient
 
+from app.config.objectives import objective_of
 from app.config.schema import FinetuneConfig
 from app.data.passes import source_key, source_names
 from app.environment import in_ray_job, ray_job_id
@@ -40,7 +41,8 @@ def run_tags(cfg: FinetuneConfig, inputs: CheckedInputs) -> dict[str, str | None
         "init_adapter": cfg.model.init_adapter,
         "init_adapter_sha256": inputs.init_adapter_sha256 or "none",  # what a resume must start from too
         "teacher_adapter": cfg.distill.teacher_adapter if inputs.teacher_sha256 else None,
-        "teacher_adapter_sha256": inputs.teacher_sha256,  # the teacher a registry alias named when the run began
+        # the teacher a registry alias named when the run began ("none" for a distillation without a teacher adapter)
+        "teacher_adapter_sha256": inputs.teacher_sha256 or ("none" if objective_of(cfg.train).taught else None),
     }
 
 

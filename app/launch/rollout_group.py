@@ -1,5 +1,5 @@
-"""GRPO's rollout side on Ray: actors that sample answers, apart from the training workers, and reward scoring as
-Ray tasks beside them.
+"""The rollout side on Ray (GRPO, distillation): actors that sample answers, apart from the training workers, and
+GRPO's reward scoring as Ray tasks beside them.
 
 The driver starts `rollout.workers` RolloutActor actors (each with its own CPUs, or GPUs on a GPU cluster),
 each holding the frozen base once and an engine (app/train/rollout_engine.py) that decodes every rank's requests

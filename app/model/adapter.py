@@ -36,6 +36,8 @@ class FrozenAdapter:
 
     lora: LoraSection
     weights: dict[str, torch.Tensor]
+
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 # (base weight name, rows) -> those rows of the frozen weight, whole along every other dimension

@@ -26,7 +26,8 @@ from app.model.quantization import NF4_BYTES_PER_PARAM, quantizable_linears
 from app.plan.dtypes import planned_dtypes
 
 GiB = 2**30
-TEACHER = "distillation teacher (its weights or adapter, logits)"
+TEACHER = "distillation teacher (its weights' share or adapter)"
+TEACHER_LOSS = "distillation loss (full-vocabulary logits)"
 ACTIVATIONS = "activations (estimate)"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -42,10 +43,12 @@ class MemoryPlan:
     model_config: object = None  # the transformers config: what activations of other batch shapes are planned from
     compute_bytes: int = 4
     num_layers: int = 0
-    rollout_actor: dict[str, float] = field(default_factory=dict)  # component -> bytes of one rollout actor
+    rollout_actor: dict[str, float] = field(default_factory=dict)  # component -> bytes on one rollout actor's device
+    rollout_actor_host: dict[str, float] = field(default_factory=dict)  # and in its host memory
 
     @property
     def rollout_actor_total(self) -> float:
+        """What one rollout actor holds on its device (on a CPU actor, its host memory holds the host part too)."""
         return sum(self.rollout_actor.values())
 
     @property
@@ -97,33 +100,35 @@ def plan_memory(cfg: FinetuneConfig, config_file: str | None = None) -> MemoryPl
                                                               + dequantized)
     plan.device[ACTIVATIONS] = activation_bytes(model.config, cfg, compute, len(layers))
     if objective_of(cfg.train).taught:
-        plan.device[TEACHER] = teacher_bytes(model.config, cfg, lora / shard, shard, compute)
+        plan.device[TEACHER] = teacher_bytes(cfg, lora / shard, shard, stored, compute)
+        plan.device[TEACHER_LOSS] = teacher_loss_bytes(model.config, cfg)
     if objective_of(cfg.train).samples_online:
-        plan.rollout_actor = rollout_actor_bytes(cfg, model, base, lora, compute)
+        plan.rollout_actor, plan.rollout_actor_host = rollout_actor_bytes(cfg, model, base, lora, stored)
     return plan
 
 
-def rollout_actor_bytes(cfg: FinetuneConfig, model, base: int, lora: int, compute: int) -> dict[str, float]:
-    """One rollout actor, apart from the workers (its engine holds the whole base, not sharded): the base in the
-    compute dtype; the policy, as LoRA weights beside it (fp32) or merged in (rollout.policy: merged keeps an
-    untouched copy of every adapted weight to merge each sync from); the KV cache of the answers it decodes at
-    once (rollout.batch_rows, or its share of a step's answers) at their longest; a decoding step's logits."""
+def rollout_actor_bytes(cfg: FinetuneConfig, model, base: int, lora: int,
+                        stored: int) -> tuple[dict[str, float], dict[str, float]]:
+    """One rollout actor, apart from the workers (its engine holds the whole base, not sharded), on its device:
+    the base in the stored dtype; the policy's LoRA weights beside it (fp32), unless merged in; the KV cache of the
+    answers it decodes at once (rollout.batch_rows, or its share of a step's answers and of the steps sampled ahead
+    with the same adapter) at their longest; a decoding step's logits. On the host: rollout.policy=merged's
+    untouched copy of every adapted weight, which each sync merges from."""
     rollout, config = cfg.rollout, model.config
     actors = 1 if rollout.workers == "auto" else rollout.workers  # auto: one until the driver sizes them
-    rows = rollout.batch_rows or math.ceil(cfg.train.global_batch_size / actors)
+    rows = rollout.batch_rows or math.ceil(cfg.train.global_batch_size * (1 + rollout.max_staleness) / actors)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_position = config.num_hidden_layers * 2 * kv_heads * head_dim * compute
+    per_position = config.num_hidden_layers * 2 * kv_heads * head_dim * stored
     slots, positions = slot_cache_size(rows, cfg.data.max_seq_len + rollout.max_completion_tokens)
+    device = {"whole base (stored dtype)": base * stored,
+              f"KV cache: {slots} slots x {positions} positions": slots * positions * per_position,
+              "a decoding step's logits (fp32)": rows * config.vocab_size * 4 * 2}
     if rollout.policy == "lora":
-        policy = ("policy: LoRA weights beside the base (fp32)", lora * 4)
-    else:
-        adapted = sum(layer.get_base_layer().weight.numel() for _, layer in lora_layers(model))
-        policy = ("merged policy: untouched weights (host)", adapted * compute)
-    return {"whole base (compute dtype)": base * compute, policy[0]: policy[1],
-            f"KV cache: {slots} slots x {positions} positions": slots * positions * per_position,
-            "a decoding step's logits (fp32)": rows * config.vocab_size * 4 * 2}
+        return device | {"policy: LoRA weights beside the base (fp32)": lora * 4}, {}
+    adapted = sum(layer.get_base_layer().weight.numel() for _, layer in lora_layers(model))
+    return device, {"merged policy: untouched adapted weights": adapted * stored}
 
 
 def slot_cache_size(rows: int, positions: int) -> tuple[int, int]:
@@ -137,28 +142,34 @@ def slot_cache_size(rows: int, positions: int) -> tuple[int, int]:
     return slots, capacity
 
 
-def teacher_bytes(config, cfg: FinetuneConfig, lora_shard: float, shard: int, compute: int) -> float:
+def teacher_bytes(cfg: FinetuneConfig, lora_shard: float, shard: int, stored: int, compute: int) -> float:
     """Distillation's teacher beside the student: on the student's base its frozen adapter (sharded, fp32; counted
     at the student's size, its own shape is read later by the driver), or a teacher of its own base sharded as the
-    student's is (its share, and in the compute dtype two decoder layers and its root gathered at a time); and the
-    full-vocabulary loss over a micro-batch's prompt + answer: the teacher's logits and log-probabilities (fp32, no
-    gradient) and the divergence's own intermediates."""
-    from app.model.base import build_meta_base_model
+    student's is (its share in the stored dtype, and two decoder layers and its root gathered at a time in the
+    compute dtype)."""
+    from app.model.base import build_meta_base_model  # start-up: as plan_memory's
     from app.model.sharding import decoder_layers
 
+    if cfg.distill.teacher is None:
+        return lora_shard * 4
+    teacher = build_meta_base_model(teacher_model(cfg.model, cfg.distill))
+    total = sum(p.numel() for p in teacher.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(teacher)]
+    return stored * total / shard + compute * (2 * max(layers) + total - sum(layers))
+
+
+def teacher_loss_bytes(config, cfg: FinetuneConfig) -> float:
+    """The full-vocabulary divergence over a micro-batch's prompts and answers: the teacher's logits and
+    log-probabilities (fp32, no gradient) and the divergence's own intermediates."""
     tokens = cfg.train.micro_batch_size * (cfg.data.max_seq_len + cfg.rollout.max_completion_tokens)
-    weights = lora_shard * 4
-    if cfg.distill.teacher is not None:
-        teacher = build_meta_base_model(teacher_model(cfg.model, cfg.distill))
-        total = sum(p.numel() for p in teacher.parameters())
-        layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(teacher)]
-        weights = compute * (total / shard + 2 * max(layers) + total - sum(layers))
-    return weights + tokens * config.vocab_size * 4 * 5
+    return tokens * config.vocab_size * 4 * 5
 
 
 def with_activations_of(plan: MemoryPlan, cfg: FinetuneConfig) -> MemoryPlan:
     """The plan with the activations of `cfg`'s checkpointing and micro-batch (the rest does not change)."""
     device = plan.device | {ACTIVATIONS: activation_bytes(plan.model_config, cfg, plan.compute_bytes, plan.num_layers)}
+    if TEACHER_LOSS in device:  # it grows with the micro-batch too
+        device[TEACHER_LOSS] = teacher_loss_bytes(plan.model_config, cfg)
     return replace(plan, device=device)
 
 
@@ -211,9 +222,10 @@ def format_plan(plan: MemoryPlan, device_memory_gb: float | None) -> str:
     lines.append(f"  {'device':<18} {'total':<42} {plan.device_total / GiB:9.3f} GiB")
     if plan.rollout_actor:
         lines.append("each rollout actor (beside the workers; on a GPU of its own with rollout.gpus):")
-        for name, value in plan.rollout_actor.items():
-            lines.append(f"  {'actor':<18} {name:<42} {value / GiB:9.3f} GiB")
-        lines.append(f"  {'actor':<18} {'total':<42} {plan.rollout_actor_total / GiB:9.3f} GiB")
+        for where, parts in (("actor device", plan.rollout_actor), ("actor host", plan.rollout_actor_host)):
+            for name, value in parts.items():
+                lines.append(f"  {where:<18} {name:<42} {value / GiB:9.3f} GiB")
+        lines.append(f"  {'actor device':<18} {'total':<42} {plan.rollout_actor_total / GiB:9.3f} GiB")
     if device_memory_gb:
         fits = plan.device_total <= 0.9 * device_memory_gb * GiB  # CUDA context, allocator fragmentation
         lines.append(f"{'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB per device "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from app.config.objectives import objective_of
 from app.config.paths import looks_local
 from app.config.schema import FinetuneConfig
 from app.errors import UserInputError, first_line
@@ -28,7 +29,7 @@ def teacher_folder_decisions(cfg: FinetuneConfig) -> tuple[Decision, ...]:
     """distill.teacher, a model of its own, as an ordinary folder too (a GGUF file dequantized, a packaged model
     built)."""
     teacher = cfg.distill.teacher
-    if teacher is None:
+    if teacher is None or not objective_of(cfg.train).taught:  # a leftover distill section: nothing to build
         return ()
     ensure_packaged(teacher)
     folder = dequantized_folder(teacher, None, key="distill.teacher")

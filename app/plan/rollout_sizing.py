@@ -1,5 +1,6 @@
-"""GRPO's rollout actors sized against the trainers (rollout.workers and rollout.gpus where `auto`),
-decided by the driver once it knows the cluster, and how the policy reaches them (rollout.policy).
+"""The rollout actors of an objective that samples online (GRPO, distillation) sized against the trainers
+(rollout.workers and rollout.gpus where `auto`), decided by the driver once it knows the cluster, and how the
+policy reaches them (rollout.policy).
 
 Beside CPU workers: one actor on CPUs. It shares the cores with the trainers, and a CPU decodes a batch about as
 fast per answer at 32 rows as at 64 (docs/methods.md): a second actor would take from the trainers the

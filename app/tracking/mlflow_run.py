@@ -184,9 +184,10 @@ def check_same_teacher(run_tags: dict[str, str], source: str | None, sha256: str
     """A resumed distillation learns from the teacher its first attempt did, whatever distill.teacher_adapter
     names now (an alias moved to a newer champion, a folder written over)."""
     started = run_tags.get("teacher_adapter_sha256")
-    if started is None or started == sha256:
+    if started is None or started == (sha256 or "none"):
         return
-    raise UserInputError(f"--resume: the run learned from {run_tags.get('teacher_adapter')} (sha256 {started[:12]}), "
+    raise UserInputError(f"--resume: the run learned from {run_tags.get('teacher_adapter') or 'no teacher adapter'} "
+                         f"(sha256 {started[:12]}), "
                          f"and distill.teacher_adapter={source} gives {(sha256 or 'no adapter')[:12]}: it would "
                          "learn from another teacher; point distill.teacher_adapter at the one it started with "
                          "(models:/NAME/VERSION)")

@@ -67,6 +67,16 @@ def next_token_logps(model, input_ids: torch.Tensor, start: int, temperature: fl
     return F.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 
 
+def over_shared_rows(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two distributions over the rows of the output layer both models have: models of one family pad their
+    embeddings to different sizes (Qwen2.5 0.5B: 151,936 rows, 7B: 152,064) past the tokenizer's tokens, which the
+    driver checks both cover. Either is renormalised over the shared rows where they differ."""
+    width = min(student.shape[-1], teacher.shape[-1])
+    if student.shape[-1] == teacher.shape[-1]:
+        return student, teacher
+    return tuple(t[..., :width] - t[..., :width].logsumexp(-1, keepdim=True) for t in (student, teacher))
+
+
 def token_divergences(model, batch: dict, temperature: float, beta: float, teacher_model=None):
     """(each answer token's divergence from the teacher, its log-probability under the student, the student's
     entropy there, the mask of answer tokens): [rows, places] each, from the first answer token on. The teacher is
@@ -75,10 +85,12 @@ def token_divergences(model, batch: dict, temperature: float, beta: float, teach
     ids, labels = batch["input_ids"], batch["labels"]
     start = answer_window(labels)
     student = next_token_logps(model, ids, start, temperature)
-    with torch.no_grad(), contextlib.nullcontext() if teacher_model else reference_switch(model):
-        teacher = next_token_logps(teacher_model or model, ids, start, temperature)
-    if teacher_model is not None:
+    own_base = teacher_model is not None
+    with torch.no_grad(), contextlib.nullcontext() if own_base else reference_switch(model):
+        teacher = next_token_logps(teacher_model if own_base else model, ids, start, temperature)
+    if own_base:
         reshard(teacher_model)  # its root stays gathered after a forward (as the student's): freed till the next
+        student, teacher = over_shared_rows(student, teacher)
     targets = labels[:, 1 + start:].to(student.device)
     mask = targets != IGNORE_INDEX
     divergence = generalized_jsd(student, teacher, beta)

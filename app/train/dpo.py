@@ -76,7 +76,7 @@ def tuner_layers_set(model, attribute: str, value):
 def reference_switch(model):
     """The reference model for the block: the starting adapter where the run started from one
     (model.init_adapter), else the base (the PEFT model with its adapter off; a model without LoRA layers is its
-    own reference). DPO's, and GRPO's KL term's."""
+    own reference). DPO's, GRPO's KL term's, and distillation's teacher on the student's base."""
     if REFERENCE in getattr(model, "peft_config", {}):
         return tuner_layers_set(model, "_active_adapter", [REFERENCE])
     return tuner_layers_set(model, "_disable_adapters", True)

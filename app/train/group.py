@@ -33,7 +33,7 @@ def on_every_rank(flag: bool, ctx: RankContext) -> bool:
     return bool(t.item())
 
 
-def combined(total: torch.Tensor, sums: torch.Tensor, maxima: int) -> torch.Tensor:
+def combined_figures(total: torch.Tensor, sums: torch.Tensor, maxima: int) -> torch.Tensor:
     """Two micro-batches' figures as one: sums added, the last `maxima` kept at their largest."""
     if not maxima:
         return total + sums

@@ -46,7 +46,7 @@ from app.train.checkpoint import (
 )
 from app.train.evaluation import BestEvaluation, eval_metrics
 from app.train.generation import generation_table
-from app.train.group import RankContext, combined, max_over_ranks, split_maxima
+from app.train.group import RankContext, combined_figures, max_over_ranks, split_maxima
 from app.train.measured import measured_on_workers, measured_params
 from app.train.objectives import objective_for
 from app.train.optimizer import build_optimizer, follow_config
@@ -143,7 +143,7 @@ class FinetuneRecipe:
                                           build_device_mesh(ctx.device.type, cfg.scaling.mesh_shape(ctx.world_size)),
                                           cfg.train.seed, ctx.device, self.init_adapter,
                                           self.objective.reference_adapter(self.init_adapter, self.teacher))
-        self.init_adapter = self.teacher = None  # copied into the shards
+        self.init_adapter = self.teacher = None  # in the shards (or a teacher base's: the objective)
         self.dropout_key = key_lora_dropout(self.model)
         self.params = trainable_parameters(self.model)
         self.optimizer, self.scheduler = self.build_optimizer()
@@ -282,7 +282,7 @@ class FinetuneRecipe:
             with self.dropout_at(i):
                 loss, sums = loss_of(batch)
                 loss.backward()
-            total = sums.double() if total is None else combined(total, sums.double(), maxima)
+            total = sums.double() if total is None else combined_figures(total, sums.double(), maxima)
         return total
 
     def dropout_at(self, micro_batch: int):

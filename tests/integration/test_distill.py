@@ -75,6 +75,8 @@ def test_a_missing_or_unfit_teacher_is_one_line_before_any_worker_starts(embedde
         read_teacher(cfg)
     with pytest.raises(UserInputError, match=r"train.objective=distill needs a teacher: distill.teacher_adapter"):
         load_config(CONFIG, [f"train.output_dir={tmp_path}", "train.objective=distill", "train.best_metric=eval_loss"])
+    with pytest.raises(UserInputError, match=r"grpo.num_iterations=2 is GRPO's, and would change how "):
+        distill_config(embedded, tmp_path, f"distill.teacher={embedded['model']}", "grpo.num_iterations=2")
     other = make_teacher_base(embedded, tmp_path / "other-tokens")
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<an-extra-token>"])

@@ -7,7 +7,7 @@ from app.config.loading import load_config
 from app.errors import UserInputError
 from app.launch.memory_budget import check_rollout_actors
 from app.model.build import build_lora_model
-from app.plan.memory import GiB, plan_memory
+from app.plan.memory import GiB, plan_memory, with_activations_of
 from app.train.sampling import build_sampler
 from jobs.plan import main
 from tests.helpers import EMBEDDED_CONFIG, REPO, make_config
@@ -68,19 +68,20 @@ def test_a_rollout_actors_plan_counts_what_its_sampler_holds_after_a_step(policy
                       "rollout.max_completion_tokens=8", "train.global_batch_size=16", "train.micro_batch_size=4",
                       "data.max_seq_len=24", "rollout.workers=1", f"rollout.policy={policy}", "model.dtype=float32",
                       "fsdp.param_dtype=float32", "model.gradient_checkpointing=false")
-    actor = plan_memory(cfg).rollout_actor
+    plan = plan_memory(cfg)
+    actor = plan.rollout_actor
     sampler = build_sampler(cfg)
     prompts = [[5 + i] * 24 for i in range(4)]  # the longest prompts data.max_seq_len admits
     sampler.sample(prompts, cfg.rollout, seed=0)  # 4 answers each: a step of 16
     held = sum(p.numel() * p.element_size() for n, p in sampler.model.named_parameters() if "lora_" not in n)
-    assert actor["whole base (compute dtype)"] == held
+    assert actor["whole base (stored dtype)"] == held
     cache = sampler.core.cache
     cached = sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
     [kv] = [value for name, value in actor.items() if name.startswith("KV cache")]
     assert cached > 0 and kv == cached
     if policy == "merged":
         untouched = sum(w.numel() * w.element_size() for w in sampler.merged.untouched)
-        assert actor["merged policy: untouched weights (host)"] == untouched
+        assert plan.rollout_actor_host["merged policy: untouched adapted weights"] == untouched
     else:
         lora = sum(p.numel() * 4 for n, p in sampler.model.named_parameters() if "lora_" in n)
         assert actor["policy: LoRA weights beside the base (fp32)"] == lora
@@ -93,7 +94,7 @@ def test_a_gpu_rollout_actor_that_does_not_fit_its_gpu_is_refused_in_one_line(tm
         "scaling.use_gpu=true", "rollout.workers=2", "rollout.gpus=1", "rollout.policy=lora",
         "model.gradient_checkpointing=false"])
     plan = plan_memory(cfg, SHAPE_8B)
-    assert plan.rollout_actor["whole base (compute dtype)"] == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert plan.rollout_actor["whole base (stored dtype)"] == pytest.approx(8.03e9 * 2, rel=0.01)
     check_rollout_actors(cfg, plan, 80 * GiB, "a GPU of the cluster")  # fits an 80 GB GPU
     with pytest.raises(UserInputError) as refused:
         check_rollout_actors(cfg, plan, 16 * GiB, "a GPU of the cluster")
@@ -102,3 +103,14 @@ def test_a_gpu_rollout_actor_that_does_not_fit_its_gpu_is_refused_in_one_line(tm
     assert "rollout.batch_rows" in message
     on_cpus = cfg.with_set({"scaling.use_gpu": False, "rollout.gpus": 0})
     check_rollout_actors(on_cpus, plan_memory(on_cpus, SHAPE_8B), 16 * GiB, "host")
+
+
+def test_distillations_full_vocabulary_loss_grows_with_the_micro_batch_the_plan_chooses(tmp_path):
+    """The teacher's logits are per row of a micro-batch: a plan for another micro-batch counts them anew (the
+    memory choices try micro-batches from a plan made at one row)."""
+    cfg = load_config(REPO / "jobs" / "configs" / "smollm2_distill.yaml", [
+        "model.gradient_checkpointing=false", "train.micro_batch_size=1", "distill.teacher_adapter=x"])
+    one = plan_memory(cfg)
+    sixteen = with_activations_of(one, cfg.with_set({"train.micro_batch_size": 16}))
+    loss = "distillation loss (full-vocabulary logits)"
+    assert sixteen.device[loss] == pytest.approx(16 * one.device[loss]) and one.device[loss] > 0

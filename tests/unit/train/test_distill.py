@@ -23,7 +23,7 @@ from app.model.adapter import FrozenAdapter, read_adapter_weights
 from app.model.build import build_lora_model
 from app.model.init_adapter import saved_lora_settings
 from app.tracking.mlflow_run import check_same_teacher
-from app.train.distill import generalized_jsd
+from app.train.distill import generalized_jsd, over_shared_rows
 from app.train.ports import RecipeParts
 from app.train.recipe import FinetuneRecipe
 from app.train.rollouts import LocalRollouts
@@ -129,3 +129,19 @@ def test_a_resumed_distillation_refuses_another_teacher():
     with pytest.raises(UserInputError, match=r"^--resume: the run learned from models:/t@champion \(sha256 aaaaaaaaa"
                                              r"aaa\), and distill.teacher_adapter=models:/t@champion gives bbbb"):
         check_same_teacher(tags, "models:/t@champion", "b" * 64)
+    without = {"teacher_adapter": None, "teacher_adapter_sha256": "none"}  # a teacher base alone, no adapter
+    check_same_teacher(without, None, None)
+    with pytest.raises(UserInputError, match=r"^--resume: the run learned from no teacher adapter"):
+        check_same_teacher(without, "models:/t@champion", "b" * 64)
+
+
+def test_a_teacher_with_more_output_rows_is_compared_over_the_rows_both_have():
+    """Models of one family pad their output layers to different sizes past the tokenizer's tokens: both
+    distributions are renormalised over the shared rows (the same, where they agree in size)."""
+    student, teacher = torch.randn(2, 3, 10).log_softmax(-1), torch.randn(2, 3, 12).log_softmax(-1)
+    s, t = over_shared_rows(student, teacher)
+    assert s.shape == t.shape == (2, 3, 10)
+    torch.testing.assert_close(t, torch.log_softmax(teacher[..., :10], -1))  # as if the extra rows never were
+    torch.testing.assert_close(s, student)
+    same = torch.randn(2, 3, 10).log_softmax(-1)
+    assert over_shared_rows(student, same)[1] is same

@@ -132,14 +132,11 @@ def rollout_actor_bytes(cfg: FinetuneConfig, model, base: int, lora: int,
 
 
 def slot_cache_size(rows: int, positions: int) -> tuple[int, int]:
-    """The engine's slot cache for `rows` sequences of `positions` (app/engine/cache.py: from its starting size,
-    doubled until they fit)."""
-    slots, capacity = SlotCache().slots, SlotCache().capacity
-    while slots < rows:
-        slots *= 2
-    while capacity < positions:
-        capacity *= 2
-    return slots, capacity
+    """The engine's slot cache for `rows` sequences of `positions`: (slots, capacity) as the cache itself grows them
+    (app/engine/cache.py; an empty cache reserves without allocating)."""
+    cache = SlotCache()
+    cache.reserve(rows, positions)
+    return cache.slots, cache.capacity
 
 
 def teacher_bytes(cfg: FinetuneConfig, lora_shard: float, shard: int, stored: int, compute: int) -> float:

@@ -35,11 +35,10 @@ from app.model.build import build_training_model
 from app.model.sharding import reshard
 from app.train.dpo import reference_switch
 from app.train.group import RankContext
-from app.train.grpo import importance_weights
+from app.train.grpo import METRIC_MAXIMA, importance_weights
 from app.train.reward_eval import greedy_eval_answers, scored_table
 
 METRIC_SUMS = ("entropy", "sampler_gap", "tokens")
-METRIC_MAXIMA = ("sampler_gap_max",)  # after the sums, all-reduced by MAX
 
 
 def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
@@ -199,12 +198,14 @@ class Distillation:
 def sharded_teacher(cfg: FinetuneConfig, adapter: FrozenAdapter | None, mesh: DeviceMesh, device: torch.device):
     """A teacher of its own base (distill.teacher) built as the student is: loaded as model.load says, each
     decoder layer and the root fully_shard-ed over the student's mesh, so a teacher several times the student's
-    size costs each worker its share; its adapter (if any) beside its base, frozen (without one, a fresh LoRA:
-    lora_B = 0 adds nothing)."""
+    size costs each worker its share; its adapter (if any) beside its base, frozen (without one, the LoRA layers
+    the builder adds are switched off)."""
     base = teacher_model(cfg.model, cfg.distill)
     lora = adapter.lora if adapter is not None else cfg.lora
     model = build_training_model(base, lora, cfg.fsdp, mesh, cfg.train.seed, device,
                                  init_adapter=adapter.weights if adapter is not None else None)
+    if adapter is None:
+        model.base_model.disable_adapter_layers()  # its forwards run the base alone: no LoRA products to add 0
     return model.eval().requires_grad_(False)
 
 

@@ -51,6 +51,8 @@ def start(command: list[str], env: dict, cwd: str | None = None) -> subprocess.P
 
 def stop_server(server: subprocess.Popen, sig: int) -> None:
     """`sig` to the server's process group; SIGKILL if it has not ended a minute later."""
+    if server.poll() is not None:  # it exited by itself (its error is reported)
+        return
     os.killpg(server.pid, sig)
     try:
         server.wait(timeout=60)
@@ -102,7 +104,7 @@ def servers(args: argparse.Namespace, key: str, base: str) -> list[Server]:
         port, cores = free_port(), os.cpu_count() or 1
         dtype = resolve_dtype("auto", has_fast_bf16(torch.device("cpu")))
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base,
-                   "--host", "127.0.0.1", "--port", str(port), "--api-key", key, "--served-model-name", "base",
+                   "--host", "127.0.0.1", "--port", str(port), f"--api-key={key}", "--served-model-name", "base",
                    "--max-num-seqs", "64", "--dtype", dtype, "--kv-cache-memory-bytes", str(4 << 30),
                    "--disable-log-stats", "--seed", "0"]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}

@@ -13,8 +13,9 @@ deploys the application and returns, and `serve shutdown` or `serve.delete` remo
 
 With SERVE_API_KEY in the environment (or --api-key-file) every request needs `Authorization: Bearer
 KEY`; a --host other than loopback without a key is refused. `--engine` picks what generates: this project's
-engine (`transformers`: continuous batching, every adapter in one batch), vLLM (`vllm`), or `auto`: what is faster
-on the hardware for base and for adapter requests (the choice and its reason are printed). A replica decodes up to
+engine (`transformers`: continuous batching, every adapter in one batch), vLLM (`vllm`, adapters as LoRA requests),
+or `auto`: what is faster on the hardware for base and for adapter requests (on a CPU, vLLM for the base and an
+engine per adapter merged in; the choice and its reason are printed). A replica decodes up to
 --max-batch-size sequences at once (a finished one's row goes to the next request at once), takes
 --max-ongoing-requests at once and queues --max-queued-requests more (503 beyond); a request still unanswered after
 --request-timeout-s is ended.
@@ -34,7 +35,8 @@ from app.config.paths import export_credentials
 from app.errors import CommandParser, UserInputError, first_line
 from app.logs import quiet_import_noise
 from app.model.gguf import dequantized_folder
-from app.model.vllm_support import vllm_cannot_run, vllm_installed
+from app.model.merge import merge_problem
+from app.model.vllm_support import vllm_cannot_run
 from app.runs.layout import OutputDir
 from app.serve.engines import ENGINES, Choice, choose
 from app.tracking.adapters import adapter_folder, base_of, registered_version
@@ -70,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its threads (default: this machine's cores over --replicas when Ray starts here, else 1)")
     parser.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs of each replica (0: it decodes on "
                         "CPUs)")
-    parser.add_argument("--kv-cache-gb", type=float, default=4.0, help="the most memory this project's engine holds "
-                        "for its sequences' keys and values (fewer sequences run at once beyond it)")
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0, help="the most memory each engine holds for its "
+                        "sequences' keys and values on a CPU (fewer sequences run at once beyond it)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="end a request after this long")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     parser.add_argument("--metrics-port", type=int, default=0, help="where Ray exports Serve's request metrics "
@@ -219,12 +221,12 @@ def engine_choice(args: argparse.Namespace, adapters: dict[str, str]) -> Choice:
     """Which engine answers the base and which the adapters, decided before Ray starts: vLLM asked for where it is
     not installed, or for a base it cannot run, is one line."""
     gpu = args.gpus_per_replica > 0
-    if args.engine == "vllm" or (args.engine == "auto" and gpu):
+    cannot = None
+    if args.engine != "transformers":
         cannot = vllm_cannot_run(local_base(args.base, adapters, args.output_dir))
-    else:
-        cannot = None if vllm_installed() else "vLLM is not installed"
+    unmergeable = next(filter(None, map(merge_problem, local_adapters(adapters, args.output_dir))), None)
     try:
-        return choose(args.engine, gpu, cannot)
+        return choose(args.engine, gpu, cannot, len(adapters), unmergeable)
     except ValueError as e:
         raise UserInputError(f"{e}; or serve with --engine transformers") from None
 
@@ -235,12 +237,19 @@ def describe(choice: Choice) -> str:
     return f"{choice.base} for the base, {choice.adapters} for the adapters"
 
 
+def local_adapters(adapters: dict[str, str], output_dir: str) -> list[Path]:
+    """The adapters' folders known before any download (the registered ones only the replicas will have)."""
+    if "://" in output_dir:
+        return []
+    return [adapter_folder(source, output_dir) for source in adapters.values() if not source.startswith("models:/")]
+
+
 def local_base(base: str | None, adapters: dict[str, str], output_dir: str) -> str | None:
     """The base model's folder where it is known before any download (None: only the replicas will know)."""
     if base:
         return base
-    local = [source for source in adapters.values() if not source.startswith("models:/")]
-    return base_of(adapter_folder(local[0], output_dir)).path if local and "://" not in output_dir else None
+    local = local_adapters(adapters, output_dir)
+    return base_of(local[0]).path if local else None
 
 
 def main(argv: list[str] | None = None) -> int:

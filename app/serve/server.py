@@ -21,6 +21,7 @@ from app.serve.api import Served, build_api, context_length, vocabulary_size
 from app.serve.engine import TransformersEngine, in_model_dtype
 from app.serve.engines import Choice, Engines
 from app.serve.follow import AliasFollower
+from app.serve.merged_engine import MergedAdapters
 from app.serve.models import ServedFiles, load_model, load_tokenizer, served_files
 from app.serve.vllm_engine import VllmEngine
 from app.tracking.adapters import adapter_folder, base_of, pinned
@@ -49,11 +50,20 @@ def start_engines(choice: Choice, files: ServedFiles, tokenizer, config, max_row
         model = load_model(files, getattr(torch, dtype)).to(device)
         in_model_dtype(model)
         started["transformers"] = TransformersEngine(model, tokenizer, max_rows, cache_gb=cache_gb)
-    if "vllm" in choice.engines:
+    if "vllm" in choice.engines or "vllm-merged" in choice.engines:
         ends = end_token_ids(generation_config(files), tokenizer)
-        adapters = {name: str(f) for name, f in files.folders.items()} if choice.adapters == "vllm" else {}
-        started["vllm"] = VllmEngine(files.base, adapters, ends, context_length(config, tokenizer), dtype, max_rows,
-                                     device.type == "cuda", cache_gb, threads, files.revision, eager)
+        context = context_length(config, tokenizer)
+
+        def vllm(base: str, adapters: dict[str, str], own_name: str | None = None) -> VllmEngine:
+            return VllmEngine(base, adapters, ends, context, dtype, max_rows, device.type == "cuda", cache_gb, threads,
+                              files.revision if base == files.base else None, eager, own_name=own_name)
+    if "vllm" in choice.engines:
+        started["vllm"] = vllm(files.base, {name: str(f) for name, f in files.folders.items()}
+                               if choice.adapters == "vllm" else {})
+    if "vllm-merged" in choice.engines:
+        folders = {name: str(folder) for name, folder in files.folders.items()}
+        started["vllm-merged"] = MergedAdapters(files.base, files.revision, folders, dtype,
+                                                lambda merged, name: vllm(merged, {}, name))
     return Engines(started[choice.base], started[choice.adapters], choice)
 
 

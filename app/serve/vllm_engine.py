@@ -89,7 +89,8 @@ class VllmEngine:
 
     def __init__(self, base: str, adapters: dict[str, str], end_ids: list[int], context: int, dtype: str,
                  max_rows: int = 64, gpu: bool = False, cache_gb: float = 4.0, threads: int | None = None,
-                 revision: str | None = None, eager: bool = False, spare_adapters: int = 2):
+                 revision: str | None = None, eager: bool = False, spare_adapters: int = 2,
+                 own_name: str | None = None):
         from vllm import AsyncEngineArgs  # start-up: vLLM's import alone takes seconds; only where it is chosen
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -113,6 +114,8 @@ class VllmEngine:
         self.end_ids = list(end_ids)
         self.ids = itertools.count(1)
         self.loras = {name: self.lora(name, folder) for name, folder in adapters.items()}
+        if own_name is not None:  # an adapter merged into `base`: its name asks for the engine's own weights
+            self.loras[own_name] = None
         self.gate = Gate()
         self.counting = threading.Lock()  # `loras` and `running`, read by submit on the API's thread
         self.retired: dict[str, float] = {}
@@ -136,6 +139,11 @@ class VllmEngine:
             self.running[job.adapter] = self.running.get(job.adapter, 0) + 1
         task = asyncio.run_coroutine_threadsafe(self.run(job, lora), self.loop)
         job.on_cancel.append(task.cancel)  # the future's cancel reaches the task on vLLM's loop
+
+    def in_flight(self, name: str | None) -> bool:
+        """Whether requests for `name` are running (or queued)."""
+        with self.counting:
+            return bool(self.running.get(name))
 
     def close(self) -> None:
         """vLLM's engine core process stopped (a replica's end; the tests' servers)."""

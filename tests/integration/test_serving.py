@@ -1,5 +1,6 @@
-"""`python -m jobs.serve` on a Ray cluster of its own, queried over HTTP by the OpenAI Python client, on each
-engine (this project's, and vLLM's where it is installed).
+"""`python -m jobs.serve` on a Ray cluster of its own, queried over HTTP by the OpenAI Python client, on this
+project's engine and, where vLLM is installed, on `auto`'s choice for CPUs (vLLM for the base, an engine per
+adapter merged in: vLLM's `AsyncLLM` behind Serve either way; its LoRA requests are checked by tests/unit/serve).
 
 Two adapters on one base: the reference run's, registered in MLflow and served from the registry, and
 a second one with random weights read from its folder. Each answer must be what base + that adapter
@@ -21,8 +22,8 @@ import pytest
 import requests
 from openai import AuthenticationError, BadRequestError, InternalServerError, NotFoundError, OpenAI
 
+from app.model.vllm_support import vllm_installed
 from tests.helpers import free_port
-from tests.unit.serve.conftest import ENGINES
 from tests.unit.serve.reference import QUESTION, plain_greedy, random_adapter
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +34,7 @@ METRICS_PORT = free_port()
 
 
 ROWS = 4  # --max-batch-size: sequences a replica decodes at once
+ENGINES = ["transformers", *(["auto"] if vllm_installed() else [])]  # --engine
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -212,21 +214,21 @@ def test_lm_eval_scores_the_server_as_its_hf_backend_scores_the_adapter(served, 
         assert served_results["results"][tasks[1]]["exact_match,none"] == local["results"][tasks[1]]["exact_match,none"]
 
 
-def replica_engine_process(engine: str):
-    """The process whose death kills the engine: the replica itself (this project's engine runs in it), or vLLM's
-    engine core (the replica's one multiprocessing child, titled EngineCore where vLLM could retitle it)."""
+def replica_engine_processes(engine: str) -> list:
+    """The processes whose death kills the engines: the replica itself (this project's engine runs in it), or vLLM's
+    engine cores (the replica's multiprocessing children, titled EngineCore where vLLM could retitle them)."""
     import psutil
 
     replicas = [p for p in psutil.process_iter(["cmdline"])
                 if any("ServeReplica:finetune-chat" in part for part in p.info["cmdline"] or [])]
     assert len(replicas) == 1, replicas
     if engine == "transformers":
-        return replicas[0]
+        return replicas
     children = [(p, " ".join(p.cmdline() + [p.name()])) for p in replicas[0].children(recursive=True)]
     named = [p for p, line in children if "EngineCore" in line]  # where vLLM could retitle it (setproctitle)
     spawned = [p for p, line in children if "spawn_main" in line and "resource_tracker" not in line]
-    assert named or len(spawned) == 1, [line for _, line in children]
-    return (named or spawned)[0]
+    assert named or spawned, [line for _, line in children]
+    return named or spawned
 
 
 def streamed_finish(client, started: threading.Event) -> str | None:
@@ -252,7 +254,8 @@ def test_an_engine_killed_fails_its_requests_and_serve_replaces_the_replica(serv
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         in_flight = pool.submit(streamed_finish, client, started)
         assert started.wait(120), "the request never started"
-        replica_engine_process(engine).kill()
+        for process in replica_engine_processes(engine):
+            process.kill()
         assert in_flight.result() is None  # never answered whole
     deadline, answer = time.time() + 300, None
     while time.time() < deadline and answer is None:

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from app.model.vllm_support import vllm_installed
 
 KEY = "test-key-0123456789"
-ENGINES = ["transformers", *(["vllm"] if vllm_installed() else [])]
+# vllm-merged: vLLM for the base, an engine per adapter merged in (auto's choice on CPUs)
+ENGINES = ["transformers", *(["vllm", "vllm-merged"] if vllm_installed() else [])]
 
 
 def serving(adapters: dict[str, str], engine: str, max_new_tokens: int = 12, **limits):
@@ -28,7 +29,8 @@ def serving(adapters: dict[str, str], engine: str, max_new_tokens: int = 12, **l
 
     files = served_files(adapters)
     tokenizer, config = load_tokenizer(files), AutoConfig.from_pretrained(files.base)
-    engines = start_engines(Choice(engine, engine, "test"), files, tokenizer, config, limits.get("max_rows", 16), 0.5,
+    choice = Choice("vllm", engine, "test") if engine == "vllm-merged" else Choice(engine, engine, "test")
+    engines = start_engines(choice, files, tokenizer, config, limits.get("max_rows", 16), 0.5,
                             torch.device("cpu"), dtype="float32", eager=True)
     return Served(engines, "base", list(adapters), context_length(config, tokenizer), vocabulary_size(config),
                   max_new_tokens), tokenizer
@@ -43,7 +45,7 @@ def served(request, adapters):
 
 @pytest.fixture(scope="session")
 def engine_name(served) -> str:
-    return served[0].engines.choice.base
+    return served[0].engines.choice.adapters
 
 
 @pytest.fixture(scope="session")

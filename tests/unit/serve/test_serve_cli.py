@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from app.errors import UserInputError
+from app.model.vllm_support import vllm_installed
+from app.serve.engines import MERGED_AT_MOST
 from tests.helpers import REPO
 
 
@@ -89,14 +92,12 @@ def test_a_deploy_the_running_proxy_would_not_honour_is_refused(running, argv, s
 
 
 def test_vllm_asked_for_where_it_is_missing_or_cannot_run_the_model_is_one_line(embedded, tmp_path, monkeypatch):
-    """Before Ray starts: the flag named and what to do; auto picks this project's engine on a CPU instead."""
+    """Before Ray starts: the flag named and what to do; auto picks this project's engine instead."""
     import shutil
 
     import jobs.serve as serve_cli
-    from app.model.vllm_support import vllm_installed
 
     args = serve_cli.parse_args(["--adapter", f"a={embedded['model']}", "--engine", "vllm"])
-    monkeypatch.setattr(serve_cli, "vllm_installed", lambda: False)
     monkeypatch.setattr("app.model.vllm_support.vllm_installed", lambda: False)
     with pytest.raises(UserInputError, match=r"^--engine vllm: vLLM is not installed \(pip install '\.\[vllm\]'.*; or "
                                              r"serve with --engine transformers$"):
@@ -111,3 +112,28 @@ def test_vllm_asked_for_where_it_is_missing_or_cannot_run_the_model_is_one_line(
     args = serve_cli.parse_args(["--adapter", "a=b", "--engine", "vllm", "--base", str(odd)])
     with pytest.raises(UserInputError, match="^--engine vllm: vLLM does not run NoSuchForCausalLM; or serve with"):
         serve_cli.engine_choice(args, {})
+    auto = serve_cli.engine_choice(serve_cli.parse_args(["--adapter", "a=b", "--base", str(odd)]), {})
+    assert (auto.base, auto.adapters) == ("transformers", "transformers") and "NoSuchForCausalLM" in auto.reason
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_auto_on_a_cpu_serves_the_base_on_vllm_and_a_few_mergeable_adapters_merged(adapters, tmp_path):
+    """vLLM with LoRA off for the base; each adapter merged into an engine of its own while they are few and
+    mergeable; otherwise this project's engine for the adapters, saying why."""
+    import shutil
+
+    import jobs.serve as serve_cli
+
+    def choice(served: dict[str, str]):
+        specs = [arg for name, source in served.items() for arg in ("--adapter", f"{name}={source}")]
+        made = serve_cli.engine_choice(serve_cli.parse_args(specs), served)
+        return made.base, made.adapters, made.reason
+
+    assert choice(adapters)[:2] == ("vllm", "vllm-merged")
+    many = {f"a{i}": adapters["noisy"] for i in range(MERGED_AT_MOST + 1)}
+    assert choice(many)[:2] == ("vllm", "transformers")
+    patterned = shutil.copytree(adapters["noisy"], tmp_path / "patterned")
+    config = json.loads((patterned / "adapter_config.json").read_text())
+    (patterned / "adapter_config.json").write_text(json.dumps(config | {"rank_pattern": {"q_proj": 4}}))
+    base, served_by, reason = choice({"plain": adapters["noisy"], "patterned": str(patterned)})
+    assert (base, served_by) == ("vllm", "transformers") and "rank_pattern is set" in reason

@@ -57,6 +57,9 @@ def merge_problem(adapter_dir: Path) -> str | None:
                     "every targeted linear layer (the job's adapters)")
     if config.get("fan_in_fan_out") or config.get("lora_bias"):
         return f"{adapter_dir}/adapter_config.json: fan_in_fan_out / lora_bias adapters do not merge here"
+    with safe_open(adapter_dir / "adapter_model.safetensors", framework="pt") as f:  # the header only
+        if any("lora_embedding_" in key for key in f.keys()):
+            return f"{adapter_dir}: LoRA on an embedding layer does not merge here (only linear layers do)"
     return None
 
 

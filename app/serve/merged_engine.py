@@ -11,7 +11,9 @@ at the new one, the old engine is stopped when its last request has ended, and i
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 
 from app.model.merge import write_merged
@@ -27,6 +30,7 @@ from app.serve.jobs import Job
 from app.serve.vllm_engine import VllmEngine
 
 log = logging.getLogger(__name__)
+PREFIX = "merged-adapters-"  # then the replica's process id
 
 
 def local_folder(base: str, revision: str | None) -> Path:
@@ -47,11 +51,18 @@ class MergedAdapters:
     def __init__(self, base: str, revision: str | None, adapters: dict[str, str], dtype: str,
                  start: Callable[[str, str], VllmEngine]):
         self.base, self.dtype, self.start = local_folder(base, revision), getattr(torch, dtype), start
-        self.root = Path(tempfile.mkdtemp(prefix="merged-adapters-"))
+        remove_orphans()
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         self.engines: dict[str, VllmEngine] = {}
+        self.folders: dict[str, Path] = {}
+        self.loads = itertools.count(1)
         self.lock = threading.Lock()  # `engines`, read by submit on the API's thread
-        for name, folder in adapters.items():
-            self.load_adapter(name, folder)
+        try:
+            for name, folder in adapters.items():
+                self.load_adapter(name, folder)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def steps(self) -> int:
@@ -67,15 +78,15 @@ class MergedAdapters:
 
     def load_adapter(self, name: str, folder: str) -> None:
         """Merges the adapter into a copy of the base and starts its engine (blocking: tens of seconds)."""
-        merged = self.root / name.replace("/", "_")
-        write_merged(self.base, Path(folder), merged, self.dtype)
+        merged = self.root / str(next(self.loads))
         try:
+            write_merged(self.base, Path(folder), merged, self.dtype)
             engine = self.start(str(merged), name)
         except BaseException:
             shutil.rmtree(merged, ignore_errors=True)
             raise
         with self.lock:
-            self.engines[name] = engine
+            self.engines[name], self.folders[name] = engine, merged
 
     def retire(self, name: str) -> None:
         """`name`'s engine stops once its requests have ended (RETIRE_AFTER_S at the least), its folder deleted."""
@@ -88,13 +99,22 @@ class MergedAdapters:
                 engine = self.engines[name]
                 if not engine.in_flight(name):
                     del self.engines[name]
+                    folder = self.folders.pop(name)
                     break
             time.sleep(0.2)
         engine.close()
-        shutil.rmtree(self.root / name.replace("/", "_"), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
         log.warning("%s retired: its merged engine stopped", name)
 
     def close(self) -> None:
         for engine in list(self.engines.values()):
             engine.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def remove_orphans() -> None:
+    """Merged copies left by replicas that died without closing (killed): their folders name their process."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = folder.name.removeprefix(PREFIX).split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -138,7 +138,12 @@ class VllmEngine:
             lora = self.loras[job.adapter] if job.adapter is not None else None
             self.running[job.adapter] = self.running.get(job.adapter, 0) + 1
         task = asyncio.run_coroutine_threadsafe(self.run(job, lora), self.loop)
+        task.add_done_callback(lambda _: self.uncount(job.adapter))  # also when cancelled before it began
         job.on_cancel.append(task.cancel)  # the future's cancel reaches the task on vLLM's loop
+
+    def uncount(self, adapter: str | None) -> None:
+        with self.counting:
+            self.running[adapter] -= 1
 
     def in_flight(self, name: str | None) -> bool:
         """Whether requests for `name` are running (or queued)."""
@@ -146,8 +151,9 @@ class VllmEngine:
             return bool(self.running.get(name))
 
     def close(self) -> None:
-        """vLLM's engine core process stopped (a replica's end; the tests' servers)."""
+        """vLLM's engine core process stopped (a replica's end; the tests' servers), then its loop's thread."""
         self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
     def load_adapter(self, name: str, folder: str) -> None:
         if self.loras and lora_rank(folder) > vllm_lora_rank(self.rank):
@@ -179,8 +185,6 @@ class VllmEngine:
             async with (self.gate.alone() if self.alone(job) else self.gate.shared()):
                 await self.answer(job, lora)
         finally:
-            with self.counting:
-                self.running[job.adapter] -= 1
             self.steps += 1
             await self.remove_retired()
 

@@ -8,7 +8,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from app.errors import UserInputError
-from app.model.merge import write_merged
+from app.model.merge import merge_problem, write_merged
 from tests.helpers import tiny_checkpoint
 
 
@@ -62,3 +62,17 @@ def test_an_adapter_with_per_module_ranks_is_refused_in_one_line(embedded, tmp_p
     adapter = _random_adapter(base_dir, tmp_path / "adapter", rank_pattern={"q_proj": 8})
     with pytest.raises(UserInputError, match="rank_pattern is set"):
         write_merged(base_dir, adapter, tmp_path / "merged")
+
+
+def test_an_adapter_on_the_embeddings_is_refused_not_merged_without_them(embedded, tmp_path):
+    """PEFT's embedding LoRA (lora_embedding_A/B) is no linear update: a merge that skipped it would serve another
+    model; jobs.export and the server's merged engines say so instead."""
+    base_dir = tiny_checkpoint("llama", tmp_path / "base", embedded["model"])
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    assert "embedding layer" in merge_problem(tmp_path / "adapter")
+    with pytest.raises(UserInputError, match="LoRA on an embedding layer does not merge here"):
+        write_merged(base_dir, tmp_path / "adapter", tmp_path / "merged")
+    assert merge_problem(_random_adapter(base_dir, tmp_path / "linear")) is None

@@ -125,7 +125,7 @@ def test_requests_through_a_promotion_are_answered_whole_by_one_version_or_the_o
         root, deadline = served.engines.adapters.root, time.monotonic() + 60
         while len(list(root.iterdir())) > 1 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert [p.name for p in root.iterdir()] == [served.routes["speller"]]
+        assert [p.name for p in root.iterdir()] == [served.engines.adapters.folders[served.routes["speller"]].name]
 
 
 def test_a_version_on_another_base_is_refused_and_the_old_one_serves_on(registry, embedded, adapters, tmp_path,

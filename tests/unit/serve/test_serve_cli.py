@@ -137,3 +137,21 @@ def test_auto_on_a_cpu_serves_the_base_on_vllm_and_a_few_mergeable_adapters_merg
     (patterned / "adapter_config.json").write_text(json.dumps(config | {"rank_pattern": {"q_proj": 4}}))
     base, served_by, reason = choice({"plain": adapters["noisy"], "patterned": str(patterned)})
     assert (base, served_by) == ("vllm", "transformers") and "rank_pattern is set" in reason
+
+
+def test_a_replica_serves_the_adapters_on_its_own_engine_where_one_does_not_merge(adapters, tmp_path):
+    """A registered version is first seen by the replica: one the merge cannot take turns auto's merged engines
+    into this project's engine for the adapters, saying why, rather than failing the replica."""
+    import shutil
+
+    from app.serve.engines import Choice
+    from app.serve.models import served_files
+    from app.serve.server import mergeable
+
+    patterned = shutil.copytree(adapters["noisy"], tmp_path / "patterned")
+    config = json.loads((patterned / "adapter_config.json").read_text())
+    (patterned / "adapter_config.json").write_text(json.dumps(config | {"rank_pattern": {"q_proj": 4}}))
+    merged = Choice("vllm", "vllm-merged", "auto")
+    assert mergeable(merged, served_files({"plain": adapters["noisy"]})) == merged
+    fallen = mergeable(merged, served_files({"plain": adapters["noisy"], "patterned": str(patterned)}))
+    assert (fallen.base, fallen.adapters) == ("vllm", "transformers") and "rank_pattern is set" in fallen.reason

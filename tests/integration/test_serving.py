@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 KEY = "integration-key-9876"
 
 
-METRICS_PORT = free_port()
+METRICS_PORTS: dict[str, int] = {}  # each server's, taken free as it starts (Ray's processes take ports meanwhile)
 
 
 ROWS = 4  # --max-batch-size: sequences a replica decodes at once
@@ -42,11 +42,12 @@ def served(request, reference_run, embedded, tmp_path_factory):
     cfg, summary = reference_run
     noisy = random_adapter(embedded["model"], tmp_path_factory.mktemp("serving") / "noisy", seed=3)
     port = free_port()
+    METRICS_PORTS[request.param] = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "jobs.serve", "--adapter", f"demo=models:/reference-adapter/{summary['version']}",
          "--adapter", f"noisy={noisy}", "--port", str(port), "--max-new-tokens", "12",
          "--max-ongoing-requests", "8", "--max-queued-requests", "8", "--request-timeout-s", "120",
-         "--metrics-port", str(METRICS_PORT), "--engine", request.param, "--max-batch-size", str(ROWS),
+         "--metrics-port", str(METRICS_PORTS[request.param]), "--engine", request.param, "--max-batch-size", str(ROWS),
          "--dtype", "float32", "--vllm-eager"],  # plain PEFT's answers, to the bit; vLLM starting sooner
         env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"], "SERVE_API_KEY": KEY},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -120,7 +121,7 @@ def test_serve_request_metrics_are_exported_in_prometheus_format(served, request
     client.chat.completions.create(model="base", messages=QUESTION, max_tokens=1)
     deadline, counted = time.time() + 60, []
     while time.time() < deadline and not counted:
-        text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+        text = requests.get(f"http://127.0.0.1:{METRICS_PORTS['transformers']}/metrics", timeout=5).text
         counted = [line for line in text.splitlines() if line.startswith("ray_serve_num_http_requests_total{")
                    and 'application="finetune-chat"' in line]
         time.sleep(2)

@@ -248,14 +248,15 @@ def streamed_finish(client, started: threading.Event) -> str | None:
 
 def test_an_engine_killed_fails_its_requests_and_serve_replaces_the_replica(served, embedded, request):
     """Runs last in the module (it restarts the replica). The engine is killed once the request's first tokens
-    have come, so the request is surely in flight (a fixed wait let a fast answer end first)."""
+    have come, so the request is surely in flight (a fixed wait let a fast answer end first); its processes are
+    found before the request is sent (looking them up among Ray's took long enough for vLLM to finish the answer)."""
     client, adapters = served
-    engine = engine_of(request)
+    engine_processes = replica_engine_processes(engine_of(request))
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         in_flight = pool.submit(streamed_finish, client, started)
         assert started.wait(120), "the request never started"
-        for process in replica_engine_processes(engine):
+        for process in engine_processes:
             process.kill()
         assert in_flight.result() is None  # never answered whole
     deadline, answer = time.time() + 300, None

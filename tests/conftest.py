@@ -61,15 +61,20 @@ def reference_run(ray_cluster, embedded, tmp_path_factory):
 # `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): a test module stays in one
 # process, so its module-scoped servers and clusters start once; the modules that use the session's
 # reference run share its process, so it is trained once.
-SHARED_GROUPS = {"test_e2e": "reference_run", "test_fault_tolerance": "reference_run",
-                 "test_serving": "reference_run"}
+# The unit modules that query the session's chat server of each engine (tests/unit/serve/conftest.py `served`) share
+# a process too: each engine then starts once (a vLLM base with merged adapters takes over a minute), not per module.
+SERVED = "tests.unit.serve.served"
+SHARED_GROUPS = {**{f"tests.integration.{name}": "reference_run"
+                    for name in ("test_e2e", "test_fault_tolerance", "test_serving")},
+                 **{f"tests.unit.serve.{name}": SERVED
+                    for name in ("test_api", "test_api_fuzz", "test_completions", "test_engine", "test_hostile_input")}}
 # The longest groups, longest first (measured: a fresh clone's `--durations`): handed out first, so the two
 # processes start on the two longest and the short modules fill in behind them (`make test` passes
 # --no-loadscope-reorder: xdist keeps this order instead of sorting groups by their number of tests).
 LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "reference_run",
                  "tests.integration.test_multinode",
                  "tests.integration.test_run_safety", "tests.integration.test_real_model",
-                 "tests.integration.test_models_and_formats", "tests.integration.test_side_by_side",
+                 "tests.integration.test_models_and_formats", "tests.integration.test_side_by_side", SERVED,
                  "tests.unit.train.test_recipe",
                  "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
                  "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",
@@ -86,7 +91,7 @@ SPLIT = {"tests.integration.test_tune", "tests.integration.test_side_by_side"}
 def pytest_collection_modifyitems(config, items):
     def group(item) -> str:
         module = item.module.__name__
-        return f"{module}.{item.name}" if module in SPLIT else SHARED_GROUPS.get(module.rsplit(".", 1)[-1], module)
+        return f"{module}.{item.name}" if module in SPLIT else SHARED_GROUPS.get(module, module)
 
     def rank(item) -> int:
         if item.module.__name__ in FILLERS:

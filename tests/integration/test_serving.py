@@ -34,6 +34,7 @@ METRICS_PORTS: dict[str, int] = {}  # each server's, taken free as it starts (Ra
 
 
 ROWS = 4  # --max-batch-size: sequences a replica decodes at once
+START_S = 600  # the most a server may take to answer its first request
 ENGINES = ["transformers", *(["auto"] if vllm_installed() else [])]  # --engine
 
 
@@ -52,7 +53,9 @@ def served(request, reference_run, embedded, tmp_path_factory):
         env={**os.environ, "MLFLOW_TRACKING_URI": summary["tracking_uri"], "SERVE_API_KEY": KEY},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 300
+        # auto starts three vLLM engines one after another (the base, an adapter merged into each of two copies):
+        # over 4 minutes on 2 busy cores, where the other test process trains beside it
+        deadline = time.time() + START_S
         while time.time() < deadline:
             assert server.poll() is None, server.stdout.read()[-3000:]
             try:
@@ -63,7 +66,8 @@ def served(request, reference_run, embedded, tmp_path_factory):
                 pass
             time.sleep(2)
         else:
-            pytest.fail("the Serve application did not come up in 300 s")
+            os.killpg(server.pid, signal.SIGKILL)
+            pytest.fail(f"the Serve application did not come up in {START_S} s:\n{server.stdout.read()[-3000:]}")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         yield client, {"demo": summary["adapter_path"], "noisy": noisy, "base": None}
     finally:

@@ -19,6 +19,8 @@ def random_adapter(base, folder, seed: int, r: int = 8):
 
 
 def plain_greedy(base, adapter, messages=QUESTION, max_new_tokens: int = 12) -> str:
+    """The answer as every engine sends it: never half a character (one still being spelled out by byte tokens when
+    the tokens run out, which decoding shows as U+FFFD, is not sent)."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
@@ -28,7 +30,7 @@ def plain_greedy(base, adapter, messages=QUESTION, max_new_tokens: int = 12) -> 
     with torch.no_grad():
         out = model.eval().generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).rstrip("\ufffd")
 
 
 def plain_logprobs(base, adapter, ids: list[int]) -> list[float]:

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -132,16 +133,18 @@ def run_ranks(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(RANK_IMPORTS)  # used when the forkserver starts (the first call)
-    mp.start_processes(_in_gloo_group, args=(world, free_port(), fn, args), nprocs=world,
-                       start_method="forkserver")
+    # the ranks meet through a file, not a port: a port found free here can be taken (by the other test process's
+    # Ray or vLLM) before rank 0 binds it
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        mp.start_processes(_in_gloo_group, args=(world, f"file://{folder}/store", fn, args), nprocs=world,
+                           start_method="forkserver")
 
 
-def _in_gloo_group(rank: int, world: int, port: int, fn, args) -> None:
+def _in_gloo_group(rank: int, world: int, store: str, fn, args) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         fn(rank, world, *args)

@@ -27,6 +27,10 @@ from tests.unit.train.test_recipe import DirectoryCheckpoints, RecordingTracker,
 
 pytestmark = pytest.mark.slow
 
+# Together and alone, an adapter's rows meet other batch shapes: fp32 sums blocked otherwise round otherwise, and
+# Adam carries that on (a grad norm 1.6e-5 apart after four steps on an AVX2 EPYC). A row given the wrong adapter or
+# data is off by far more.
+ALONE_REL = 1e-4
 STEPS = ["train.max_steps=6", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3",
          "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=4", "train.sample_prompts=0",
          "train.learning_rate=3e-3", "model.dtype=float32", "fsdp.param_dtype=float32", "lora.dropout=0.1"]
@@ -82,12 +86,12 @@ def test_each_adapter_trains_as_it_would_alone_and_a_diverging_one_stops_alone(e
         mine, alone = _curve(together, f"{name}/train_loss"), _curve(results[name], f"{name}/train_loss")
         assert sorted(mine) == list(range(1, 7)) and mine[6] < mine[1]
         for step in mine:
-            assert mine[step] == pytest.approx(alone[step], rel=1e-5), (name, step)
+            assert mine[step] == pytest.approx(alone[step], rel=ALONE_REL), (name, step)
         for key in (f"{name}/eval_loss", f"{name}/learning_rate", f"{name}/grad_norm"):
-            assert _curve(together, key) == pytest.approx(_curve(results[name], key), rel=1e-5), key
+            assert _curve(together, key) == pytest.approx(_curve(results[name], key), rel=ALONE_REL), key
     # one adapter alone in an adapters: section takes the steps of the plain single-adapter run
     assert _curve(results["rank4"], "rank4/train_loss") == pytest.approx(_curve(results["plain"], "train_loss"),
-                                                                         rel=1e-5)
+                                                                         rel=ALONE_REL)
     blown, norms = _curve(together, "blows_up/train_loss"), _curve(together, "blows_up/grad_norm")
     last = max(blown)  # stopped at its first non-finite step: logged, then no more
     assert last < 6 and not (math.isfinite(blown[last]) and math.isfinite(norms[last]))
@@ -177,7 +181,7 @@ def test_an_adapter_with_data_of_its_own_trains_on_it_as_it_would_alone(embedded
     for name in ("tenant", "tenant_lr", "rank4"):
         for key in ("train_loss", "eval_loss", "grad_norm", "step_tokens"):
             mine, alone = _curve(together, f"{name}/{key}"), _curve(results[name], f"{name}/{key}")
-            assert mine and mine == pytest.approx(alone, rel=1e-5), (name, key)
+            assert mine and mine == pytest.approx(alone, rel=ALONE_REL), (name, key)
         for step in (4, 5, 6):
             assert _curve(results["restored"], f"{name}/train_loss")[step] == pytest.approx(
                 _curve(together, f"{name}/train_loss")[step], rel=1e-6), (name, step)

@@ -91,7 +91,7 @@ def test_each_adapter_trains_as_it_would_alone_and_a_diverging_one_stops_alone(e
             assert _curve(together, key) == pytest.approx(_curve(results[name], key), rel=ALONE_REL), key
     # one adapter alone in an adapters: section takes the steps of the plain single-adapter run
     assert _curve(results["rank4"], "rank4/train_loss") == pytest.approx(_curve(results["plain"], "train_loss"),
-                                                                         rel=ALONE_REL)
+                                                                         rel=1e-5)
     blown, norms = _curve(together, "blows_up/train_loss"), _curve(together, "blows_up/grad_norm")
     last = max(blown)  # stopped at its first non-finite step: logged, then no more
     assert last < 6 and not (math.isfinite(blown[last]) and math.isfinite(norms[last]))

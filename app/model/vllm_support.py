@@ -29,8 +29,9 @@ def engine_in_this_process() -> None:
     """Have the next vLLM `LLM` run its engine in the calling process rather than in two it spawns (the engine
     core and, on a CPU, its worker: each imports torch and vLLM anew, ~28 s of a 2-core CPU's 31 s start, against
     3 s in-process), and end with that process (a rollout actor Ray kills or restarts leaves no engine behind).
-    For a process that does nothing else: vLLM then starts a torch.distributed group of one in it and owns its
-    torch.set_num_threads, and on a CPU skips its thread pinning (decode measured the same, docs/methods.md)."""
+    For a process that does nothing else: vLLM then starts a torch.distributed group of one in it and takes over
+    torch.set_num_threads; on a CPU it decodes on the process's torch threads (a rollout actor's rollout.cpus) where
+    its own worker would pin threads to every allowed core (decode measured the same on 2 cores, docs/methods.md)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 

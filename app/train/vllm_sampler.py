@@ -26,6 +26,7 @@ from app.config.rollout import RolloutSection
 from app.config.schema import FinetuneConfig
 from app.model.adapter import ADAPTER_WEIGHTS, peft_config, saved_keys
 from app.model.build import build_meta_lora_model
+from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.model.vllm_support import engine_in_this_process, reuse_compiled_models, vllm_lora_rank
 from app.train.sampling import Completion, answer_seed, checked_checksum
 
@@ -42,9 +43,11 @@ class VllmSampler:
             engine_in_this_process()
         from vllm import LLM  # start-up: vLLM's import alone takes seconds; only where it is chosen
 
-        gpu = torch.device(device).type == "cuda"
+        device = torch.device(device)
+        gpu = device.type == "cuda"
         memory = {"gpu_memory_utilization": 0.85} if gpu else {"kv_cache_memory_bytes": CPU_CACHE_GB << 30}
-        self.llm = LLM(cfg.model.path, revision=cfg.model.revision, dtype=cfg.model.dtype, seed=cfg.train.seed,
+        dtype = resolve_dtype(cfg.model.dtype, has_fast_bf16(device))  # vLLM's auto: the checkpoint's, often bf16
+        self.llm = LLM(cfg.model.path, revision=cfg.model.revision, dtype=dtype, seed=cfg.train.seed,
                        enable_lora=True, max_lora_rank=vllm_lora_rank(cfg.lora.r), max_loras=1,
                        logprobs_mode="processed_logprobs", trust_remote_code=cfg.model.trust_remote_code,
                        max_num_seqs=cfg.rollout.batch_rows or 256, **memory)

@@ -8,8 +8,10 @@ import signal
 
 import pytest
 import ray
+import torch
 
 from app.launch.rollout_group import RayRollouts, start_rollout_group
+from app.model.hardware import has_fast_bf16, resolve_dtype
 from app.model.vllm_support import vllm_installed
 from app.train.sampling import adapter_checksum, build_sampler
 from tests.helpers import make_config
@@ -55,7 +57,7 @@ def test_two_actors_share_a_ranks_prompts_and_a_restarted_actor_samples_with_the
 def test_a_restarted_vllm_actor_catches_up_with_the_adapter_asked_and_answers_as_before(ray_cluster, embedded,
                                                                                           tmp_path):
     cfg = make_config(tmp_path, embedded, "train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]",
-                      "model.dtype=float32", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
+                      "model.dtype=auto", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
                       "rollout.workers=1", "rollout.cpus=1", "rollout.engine=vllm")
     adapter = _adapter(build_sampler(cfg.with_set({"rollout.engine": "transformers", "rollout.policy": "lora"})))
     [actor] = start_rollout_group(cfg)
@@ -63,6 +65,11 @@ def test_a_restarted_vllm_actor_catches_up_with_the_adapter_asked_and_answers_as
     rollouts.sync(adapter, 4, adapter_checksum(adapter))
     before = rollouts.submit(PROMPTS, 21, 4)()
     assert (before.version, before.checksum, before.restarts) == (4, adapter_checksum(adapter), 0)
+    # model.dtype=auto is the actor's device's, as the trainers' (float32 on a CPU without native bf16), not the
+    # checkpoint's that vLLM's own auto would take
+    computes = ray.get(actor.__ray_call__.remote(
+        lambda self: str(self.engine.sampler.llm.llm_engine.model_config.dtype)))
+    assert computes == f"torch.{resolve_dtype('auto', has_fast_bf16(torch.device('cpu')))}"
 
     _kill(actor)  # its engine, a fresh vLLM, holds no adapter: the request's own is loaded and checked first
     again = rollouts.submit(PROMPTS, 21, 4)()

@@ -27,8 +27,6 @@ import subprocess
 import sys
 import time
 
-from app.model.vllm_support import engine_in_this_process
-
 WAYS = ("ours lora", "ours merged", "vllm lora", "vllm merged")
 
 
@@ -87,6 +85,7 @@ def vllm_base(cfg, prompts, steps: int) -> list[float]:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from app.model.hardware import has_fast_bf16, resolve_dtype
+    from app.model.vllm_support import engine_in_this_process
 
     engine_in_this_process()  # as a rollout actor runs it
     rollout = cfg.rollout
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in cores:
         for way in WAYS[:2] if args.no_vllm else WAYS:
-            env = {**os.environ, "OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
+            env = {**os.environ, "OMP_NUM_THREADS": str(n)}  # vLLM too: its engine runs in that process
             run = subprocess.run([sys.executable, "-m", "benchmarks.rollouts", "--way", way, "--config", args.config,
                                   "--cores", str(n), "--steps", str(args.steps)], env=env, capture_output=True,
                                  text=True)

@@ -31,8 +31,9 @@ def engine_in_this_process() -> None:
     3 s in-process), and end with that process (a rollout actor Ray kills or restarts leaves no engine behind).
     For a process that does nothing else: vLLM then starts a torch.distributed group of one in it and takes over
     torch.set_num_threads; on a CPU it decodes on the process's torch threads (a rollout actor's rollout.cpus) where
-    its own worker would pin threads to every allowed core (decode measured the same on 2 cores, docs/methods.md)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    its own worker would pin threads to every allowed core (decode measured the same on 2 cores, docs/methods.md).
+    A value the user set wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def vllm_installed() -> bool:

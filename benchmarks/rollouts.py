@@ -81,17 +81,15 @@ def vllm_lora(cfg, prompts, steps: int) -> list[float]:
 
 def vllm_base(cfg, prompts, steps: int) -> list[float]:
     """vLLM over the base alone: how fast a merged adapter would decode (no sync: none exists on CPUs)."""
-    import torch
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from app.model.hardware import has_fast_bf16, resolve_dtype
+    from app.model.hardware import torch_dtype
     from app.model.vllm_support import engine_in_this_process
 
     engine_in_this_process()  # as a rollout actor runs it
     rollout = cfg.rollout
-    dtype = resolve_dtype(cfg.model.dtype, has_fast_bf16(torch.device("cpu")))  # as the actors resolve it
-    llm = LLM(cfg.model.path, dtype=dtype, seed=0, max_num_seqs=len(prompts) * rollout.num_generations,
-              kv_cache_memory_bytes=2 << 30)
+    llm = LLM(cfg.model.path, dtype=torch_dtype(cfg.model.dtype), seed=0,  # auto as the actors take it
+              max_num_seqs=len(prompts) * rollout.num_generations, kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(n=rollout.num_generations, temperature=rollout.temperature, top_p=rollout.top_p,
                             top_k=rollout.top_k or -1, max_tokens=rollout.max_completion_tokens, logprobs=0)
     rates = []

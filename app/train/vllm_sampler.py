@@ -26,7 +26,7 @@ from app.config.rollout import RolloutSection
 from app.config.schema import FinetuneConfig
 from app.model.adapter import ADAPTER_WEIGHTS, peft_config, saved_keys
 from app.model.build import build_meta_lora_model
-from app.model.hardware import has_fast_bf16, resolve_dtype
+from app.model.hardware import torch_dtype
 from app.model.vllm_support import engine_in_this_process, reuse_compiled_models, vllm_lora_rank
 from app.train.sampling import Completion, answer_seed, checked_checksum
 
@@ -46,7 +46,7 @@ class VllmSampler:
         device = torch.device(device)
         gpu = device.type == "cuda"
         memory = {"gpu_memory_utilization": 0.85} if gpu else {"kv_cache_memory_bytes": CPU_CACHE_GB << 30}
-        dtype = resolve_dtype(cfg.model.dtype, has_fast_bf16(device))  # vLLM's auto: the checkpoint's, often bf16
+        dtype = torch_dtype(cfg.model.dtype, device)  # auto as the trainers take it; vLLM's: the checkpoint's
         self.llm = LLM(cfg.model.path, revision=cfg.model.revision, dtype=dtype, seed=cfg.train.seed,
                        enable_lora=True, max_lora_rank=vllm_lora_rank(cfg.lora.r), max_loras=1,
                        logprobs_mode="processed_logprobs", trust_remote_code=cfg.model.trust_remote_code,

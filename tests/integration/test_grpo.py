@@ -102,8 +102,9 @@ def test_grpo_on_vllm_samples_a_step_ahead_and_a_resumed_run_ends_as_the_uninter
             "data.max_eval_rows=8", "train.max_failures=0", f"train.run_name={name}", "rollout.engine=vllm",
             "rollout.workers=1", "model.dtype=float32", "fsdp.param_dtype=float32"])
 
-    whole = run_finetune(config("whole"))
-    assert (config("whole").rollout.max_staleness, config("whole").rollout.importance_correction) == (1, "tis")
+    uninterrupted = config("whole")
+    assert (uninterrupted.rollout.max_staleness, uninterrupted.rollout.importance_correction) == (1, "tis")
+    whole = run_finetune(uninterrupted)
     client = MlflowClient(whole["tracking_uri"])
     staleness = client.get_metric_history(whole["mlflow_run_id"], "rollout/staleness_max")
     assert [m.value for m in sorted(staleness, key=lambda m: m.step)] == [0, 1, 1, 1]
@@ -118,6 +119,6 @@ def test_grpo_on_vllm_samples_a_step_ahead_and_a_resumed_run_ends_as_the_uninter
     resumed = run_finetune(config("resumed"), resume=True)
     assert {m.value for m in client.get_metric_history(resumed["mlflow_run_id"], "resumed_from_step")} == {2}
     assert resumed["final_eval_reward"] == pytest.approx(whole["final_eval_reward"], rel=1e-4)
-    ended, uninterrupted = (load_file(Path(s["adapter_path"]) / "adapter_model.safetensors") for s in (resumed, whole))
-    for key, weights in uninterrupted.items():
+    ended, unbroken = (load_file(Path(s["adapter_path"]) / "adapter_model.safetensors") for s in (resumed, whole))
+    for key, weights in unbroken.items():
         torch.testing.assert_close(ended[key], weights, rtol=1e-4, atol=1e-6)

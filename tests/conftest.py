@@ -68,18 +68,23 @@ SHARED_GROUPS = {**{f"tests.integration.{name}": "reference_run"
                     for name in ("test_e2e", "test_fault_tolerance", "test_serving")},
                  **{f"tests.unit.serve.{name}": SERVED
                     for name in ("test_api", "test_api_fuzz", "test_completions", "test_engine", "test_hostile_input")}}
-# The longest groups, longest first (measured: a fresh clone's `--durations`): handed out first, so the two
-# processes start on the two longest and the short modules fill in behind them (`make test` passes
-# --no-loadscope-reorder: xdist keeps this order instead of sorting groups by their number of tests).
-LONGEST_FIRST = ["tests.integration.test_jobs", "tests.integration.test_tune", "reference_run",
-                 "tests.integration.test_multinode",
-                 "tests.integration.test_run_safety", "tests.integration.test_real_model",
-                 "tests.integration.test_models_and_formats", "tests.integration.test_side_by_side", SERVED,
-                 "tests.unit.train.test_recipe",
-                 "tests.unit.model.test_loading", "tests.unit.model.test_sharding",
-                 "tests.integration.test_data_pipeline", "tests.unit.train.test_generation",
-                 "tests.integration.test_preference", "tests.integration.test_grpo",
-                 "tests.unit.train.test_grpo_recipe", "tests.integration.test_tracking"]
+# The longest groups of `make test`, longest first (measured: a fresh clone's `--durations`; the `extended` ones,
+# which only `make test-all` runs, beside those they stand in for): handed out first, so the two processes start on
+# the two longest and the short modules fill in behind them (`make test` passes --no-loadscope-reorder: xdist keeps
+# this order instead of sorting groups by their number of tests).
+LONGEST_FIRST = ["reference_run", "tests.integration.test_grpo", "tests.integration.test_jobs", SERVED,
+                 "tests.integration.test_tune", "tests.integration.test_multinode",
+                 "tests.unit.train.test_side_by_side", "tests.integration.test_side_by_side",
+                 "tests.unit.serve.test_follow", "tests.integration.test_rollout_group",
+                 "tests.integration.test_run_safety", "tests.integration.test_data_pipeline",
+                 "tests.integration.test_real_model", "tests.integration.test_models_and_formats",
+                 "tests.integration.test_preference", "tests.integration.test_distill",
+                 "tests.integration.test_lost_claim", "tests.unit.model.test_sharding",
+                 "tests.unit.plan.test_memory_choices", "tests.unit.benchmarks.test_gpu_check",
+                 "tests.unit.train.test_host_memory", "tests.unit.train.test_recipe",
+                 "tests.integration.test_vllm_rollouts", "tests.integration.test_tracking",
+                 "tests.unit.train.test_distill", "tests.unit.train.test_grpo_recipe",
+                 "tests.unit.model.test_loading", "tests.unit.train.test_generation"]
 # Many short independent tests with no module fixture: left ungrouped and last, they even out the end.
 FILLERS = {"tests.unit.model.test_packing_probe"}
 # Modules of long tests that share no module fixture: a group per test, so the two processes share them out

@@ -35,6 +35,7 @@ def distill_config(embedded: dict, out: Path, *overrides: str):
         *overrides])
 
 
+@pytest.mark.extended  # the student moving toward its teacher runs in CI (tests/unit/train/test_distill.py)
 def test_a_student_distills_a_registered_champion_teacher(ray_cluster, embedded, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.set_tracking_uri(uri)

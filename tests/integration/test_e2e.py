@@ -196,7 +196,8 @@ def _one_global_batch(embedded, tmp_path, packing: bool) -> list[str]:
             "data.shuffle=false", f"train.global_batch_size={rows}", "train.micro_batch_size=1", *common]
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["one-record-per-row", "packed"])
+@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["one-record-per-row", "packed"])
 def test_one_and_two_workers_give_the_same_loss_curve(ray_cluster, embedded, tmp_path, packing):
     common = _one_global_batch(embedded, tmp_path, packing)
     one = run_finetune(make_config(tmp_path / "w1", embedded, *common, "scaling.num_workers=1"))
@@ -224,6 +225,7 @@ def test_a_run_whose_plan_exceeds_its_workers_memory_is_refused_before_any_run(r
     assert not (tmp_path / "outputs" / "mlflow.db").exists()
 
 
+@pytest.mark.extended  # the refusals before any run, above, run in CI
 def test_data_found_empty_after_the_workers_started_ends_the_job_in_one_line(embedded, tmp_path):
     """The worker group starts while the driver builds the data (a local cluster declares two CPUs more than
     the cores: the data's tasks fit beside both workers): data that leaves nothing to train on still ends

@@ -206,6 +206,7 @@ def _a_submitted_jobs_run(stack, client: MlflowClient, job_id: str, summary: dic
     assert table["columns"] == ["prompt", "reference", "generated", "exact_match"] and len(table["data"]) == 2
 
 
+@pytest.mark.extended  # a plain submit and Tune's sweep run in CI
 def test_a_sweep_runs_each_point_as_a_job_and_compares_them_from_mlflow(stack, tmp_path):
     """`jobs.submit sweep`: one job per grid point, grouped under a parent run and compared in a table. Each
     point is also a whole submitted job: it succeeds, its logs (one followed to the end) carry no secret,

@@ -20,7 +20,8 @@ from app.runs.claim import this_process
 from tests.faults import STEP_SECONDS, inject
 from tests.helpers import NO_DECODING, make_config
 
-pytestmark = pytest.mark.e2e
+# extended: two jobs with one run name, one stopping at once, runs in CI (test_run_safety.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
 
 def test_a_job_that_loses_its_claim_stops_and_leaves_the_run_to_the_new_owner(ray_cluster, embedded, tmp_path,

@@ -68,8 +68,10 @@ def _check_the_mixture(summary: dict) -> None:
 # formats ride along on one job as a weighted mixture of three sources, and QLoRA on another: trained over
 # an NF4 base (model.quantization=nf4), its adapter is applied by plain PEFT to the full-precision base.
 @pytest.mark.parametrize("architecture, load, data, quantization", [
-    ("qwen2", "sharded", "numbers", "none"), ("gemma3_text", "full", "numbers", "none"),
-    ("phi3", "full", "mixture", "none"), ("gpt_neox", "sharded", "numbers", "nf4")])
+    ("qwen2", "sharded", "numbers", "none"),
+    pytest.param("gemma3_text", "full", "numbers", "none", marks=pytest.mark.extended),
+    pytest.param("phi3", "full", "mixture", "none", marks=pytest.mark.extended),
+    ("gpt_neox", "sharded", "numbers", "nf4")])
 def test_an_architecture_trains_through_the_job_and_its_adapter_reloads_in_peft(
         architecture, load, data, quantization, ray_cluster, embedded, tmp_path_factory):
     model_path = tiny_checkpoint(architecture, tmp_path_factory.getbasetemp() / f"model-{architecture}",

@@ -25,7 +25,8 @@ from mlflow import MlflowClient
 from tests.faults import STEP_SECONDS, fault_env
 from tests.helpers import FP32, NO_DECODING, REPO, free_port, job_command, make_config
 
-pytestmark = pytest.mark.e2e
+# extended: a single node's elastic resume runs in CI (test_fault_tolerance.py: a crashed run resumes on fewer workers)
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
 RUN = ["train.max_steps=60", "train.checkpoint_every=5", "train.eval_every=30", "train.log_every=1",
        "train.warmup_steps=2", "train.sample_prompts=0", "scaling.num_workers=2", *NO_DECODING, *FP32]

@@ -14,7 +14,9 @@ from app.config.loading import load_config
 from app.launch.driver import run_finetune
 from app.train.dpo import METRICS
 
-pytestmark = pytest.mark.e2e
+# extended: DPO's steps on one and two gloo ranks, resumed and preferring the chosen answers, run in CI
+# (tests/unit/train/test_recipe.py); the job around it is SFT's
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "embedded_dpo.yaml"
 
 

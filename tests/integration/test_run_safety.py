@@ -44,6 +44,7 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
     return start_mlflow_server(root, start_new_session=True)  # its own process group: killed as one
 
 
+@pytest.mark.extended  # a hanging server's metrics arriving later runs in CI (test_tracking.py)
 def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_the_rest(embedded, tmp_path):
     """The tracking server is SIGKILLed mid-run: the job still finishes with its adapter and journals what
     it could not send; once a server is back on the same store, `jobs.sync` sends the rest."""
@@ -135,6 +136,7 @@ def s3_bucket(tmp_path):
 CHECKPOINT_FOLDER = re.compile(r"/checkpoint_\d{4}-[^/]+/")  # Ray Train's, named by their time
 
 
+@pytest.mark.extended
 def test_a_run_on_s3_outlives_failed_checkpoint_writes_and_its_data_vanishing_and_resumes_only_on_its_data(
         embedded, tmp_path, s3_bucket, monkeypatch):
     """A job with an s3:// output dir writes its run there (never a local folder). The store fails every write of

@@ -35,7 +35,9 @@ METRICS_PORTS: dict[str, int] = {}  # each server's, taken free as it starts (Ra
 
 ROWS = 4  # --max-batch-size: sequences a replica decodes at once
 START_S = 600  # the most a server may take to answer its first request
-ENGINES = ["transformers", *(["auto"] if vllm_installed() else [])]  # --engine
+# --engine. auto on a CPU (three vLLM engines a replica, started twice) is extended: vLLM's engines answer the same
+# API in CI in tests/unit/serve (their keys, limits, streaming, logprobs, hostile input and promotions)
+ENGINES = ["transformers", *([pytest.param("auto", marks=pytest.mark.extended)] if vllm_installed() else [])]
 
 
 @pytest.fixture(scope="module", params=ENGINES)

@@ -18,7 +18,8 @@ from app.launch.driver import run_finetune
 from tests.helpers import EMBEDDED_CONFIG, SHORT_RUN, make_config
 from tests.integration.test_e2e import RELOAD_SCRIPT
 
-pytestmark = pytest.mark.e2e
+# extended: adapters side by side train in CI with real gloo ranks (tests/unit/train/test_side_by_side.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
 FAST, SMALL = "{name: fast, learning_rate: 5e-3, lr_schedule: constant}", "{name: small, r: 4, alpha: 8}"
 RUN = [*SHORT_RUN, "train.max_steps=20", "train.eval_every=10", "train.checkpoint_every=10"]

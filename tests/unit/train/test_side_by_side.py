@@ -74,7 +74,7 @@ def _curve(result: dict, key: str) -> dict[int, float]:
     return {int(step): m[key] for step, m in result["metrics"].items() if key in m}
 
 
-@pytest.mark.parametrize("reshard_after_forward", [False, True])
+@pytest.mark.parametrize("reshard_after_forward", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_each_adapter_trains_as_it_would_alone_and_a_diverging_one_stops_alone(embedded, tmp_path,
                                                                               reshard_after_forward):
     """Either way the layers are kept: gathered once a step for every adapter (reshard_after_forward false, here

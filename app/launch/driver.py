@@ -131,7 +131,7 @@ def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str],
     run untouched, the reason raised in one line."""
     from app.launch import data_build, recording, rollout_group, trainer  # start-up: Ray Data, Train, once Ray is up
 
-    status = "FAILED"
+    status, rollouts = "FAILED", []
     try:
         rollouts = rollout_group.start_rollout_group(job.cfg) if objective_of(job.cfg.train).samples_online else []
         passes, data = data_build.start_data(job)
@@ -151,6 +151,7 @@ def train_and_record(job: Job, claim: ClaimWatch) -> tuple[dict, dict[str, str],
             status = None  # a sweep's trial stopped with its sweep: the sweep ends the run (KILLED, interrupted)
         raise
     finally:
+        rollout_group.stop_rollout_group(rollouts)
         ended = claim.reason is None and status is not None
         mlflow_synced = recording.end_run(job.cfg, job.run_id, status) if ended else False
     return metrics, model, mlflow_synced

@@ -74,6 +74,14 @@ def start_rollout_group(cfg: FinetuneConfig) -> list:
     return actors
 
 
+def stop_rollout_group(actors: list) -> None:
+    """The run's rollout actors ended with it, whether it finished or failed: a failed run's handles live on in its
+    exception's frames (a long-lived driver, a notebook, a test), and Ray would keep each actor, its base and its
+    engine (GBs with vLLM) until they are let go. `max_restarts` does not bring a killed one back."""
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
 class RayRollouts:
     """Rollouts (app/train/rollouts.py) over the rollout actors, as one training rank sees them."""
 

@@ -8,6 +8,7 @@ and an MLflow store; the adapter then checked outside the product, with plain tr
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ TRL_NAMES = ("reward", "reward_std", "rewards/exact_words/mean", "rewards/words_
              "rollout/sync_bytes", "rollout/sync_seconds", "rollout/generate_share", "step_completion_tokens")
 
 
+@pytest.mark.extended  # GRPO's job runs in make test on vLLM's actors (below), this engine's in test_rollout_group
 def test_the_embedded_grpo_run_samples_in_a_rollout_actor_and_its_adapter_reproduces_its_eval(
         ray_cluster, embedded, tmp_path):
     data = Path(embedded["train"]).parent
@@ -116,9 +118,22 @@ def test_grpo_on_vllm_samples_a_step_ahead_and_a_resumed_run_ends_as_the_uninter
     inject(monkeypatch, DIE_IN_CHECKPOINT, f"4:{tmp_path / 'died'}")  # the last rank dies saving step 4, once
     with pytest.raises(ray.train.TrainingFailedError):
         run_finetune(config("resumed"))
+    assert not alive_rollout_actors(ray_cluster)  # the failed run's vLLM actor ended with it (its handles live on)
     resumed = run_finetune(config("resumed"), resume=True)
     assert {m.value for m in client.get_metric_history(resumed["mlflow_run_id"], "resumed_from_step")} == {2}
     assert resumed["final_eval_reward"] == pytest.approx(whole["final_eval_reward"], rel=1e-4)
     ended, unbroken = (load_file(Path(s["adapter_path"]) / "adapter_model.safetensors") for s in (resumed, whole))
     for key, weights in unbroken.items():
         torch.testing.assert_close(ended[key], weights, rtol=1e-4, atol=1e-6)
+
+
+def alive_rollout_actors(ray_cluster, wait_s: float = 30.0) -> list:
+    """This cluster's rollout actors still alive once `wait_s` has passed (a kill takes a moment to land); its address
+    named: under pytest -n 2 another test process runs a cluster of its own on this machine."""
+    this_cluster, deadline = ray_cluster.get_runtime_context().gcs_address, time.monotonic() + wait_s
+    while True:
+        alive = list_actors(address=this_cluster, detail=False,
+                            filters=[("class_name", "=", "RolloutActor"), ("state", "=", "ALIVE")])
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(1)

@@ -139,6 +139,7 @@ def _command_line(proc: psutil.Process) -> str:
         return ""
 
 
+@pytest.mark.extended  # a stopped run ending KILLED with its checkpoints kept: tests/unit/runs, test_fault_tolerance
 def test_a_stopped_job_ends_its_run_killed_keeps_its_checkpoints_and_leaves_no_processes(stack):
     run_name = "jobs-api-stopped"
     submitted = submit_cli(stack, "submit", "--config", "jobs/configs/embedded.yaml",

@@ -68,7 +68,7 @@ def _check_the_mixture(summary: dict) -> None:
 # formats ride along on one job as a weighted mixture of three sources, and QLoRA on another: trained over
 # an NF4 base (model.quantization=nf4), its adapter is applied by plain PEFT to the full-precision base.
 @pytest.mark.parametrize("architecture, load, data, quantization", [
-    ("qwen2", "sharded", "numbers", "none"),
+    pytest.param("qwen2", "sharded", "numbers", "none", marks=pytest.mark.extended),
     pytest.param("gemma3_text", "full", "numbers", "none", marks=pytest.mark.extended),
     pytest.param("phi3", "full", "mixture", "none", marks=pytest.mark.extended),
     ("gpt_neox", "sharded", "numbers", "nf4")])

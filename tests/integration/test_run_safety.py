@@ -87,6 +87,7 @@ def test_a_tracking_server_lost_for_good_costs_the_run_nothing_and_sync_sends_th
         os.killpg(server.pid, signal.SIGKILL)
 
 
+@pytest.mark.extended  # one writer at a time, a dead writer's claim taken over: tests/unit/runs/test_runs.py
 def test_two_jobs_with_one_run_name_one_runs_and_the_other_stops_at_once(ray_cluster, embedded, tmp_path):
     """Two jobs started with one run name: one here, and while it holds the run a second one, as a
     `python -m jobs.finetune` process. The second stops at once with one line naming the job that holds the

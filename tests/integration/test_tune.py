@@ -1,4 +1,6 @@
-"""`python -m jobs.tune` as a user runs it (its own local Ray cluster, the real Ray Tune schedulers, Ray Train
+"""Extended (make test-all): each sweep starts a Ray cluster of its own and a Ray Train run per trial.
+
+`python -m jobs.tune` as a user runs it (its own local Ray cluster, the real Ray Tune schedulers, Ray Train
 worker groups, MLflow store): ASHA stops the trials behind and keeps what they made, PBT copies a better trial's
 checkpoint into a worse one with a perturbed learning rate."""
 
@@ -16,6 +18,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.helpers import EMBEDDED_CONFIG, REPO
+
+pytestmark = pytest.mark.extended
 
 # short trials: an evaluation (and a report to the scheduler) every 2 steps, one worker each
 TRIAL = ["train.max_steps=8", "train.eval_every=2", "train.log_every=1", "train.warmup_steps=0",
@@ -42,31 +46,27 @@ def runs_of(out: Path) -> tuple[MlflowClient, dict]:
     return client, {r.info.run_name: r for r in client.search_runs([experiment])}
 
 
-# The seed orders the grid, one trial at a time: each small rate reaches the first rung after a good one (two at
-# once, which of the first two gets there first is up to the machine's load). Seed 1 orders the two 3e-3, 1e-6;
-# seed 0 the four 2e-3, 1e-6, 3e-3, 2e-6 (extended: two more Ray Train runs, the same path).
-@pytest.mark.parametrize("grid, seed", [
-    ("3e-3,1e-6", "1"), pytest.param("3e-3,1e-6,2e-6,2e-3", "0", marks=pytest.mark.extended)], ids=["two", "four"])
 @pytest.mark.timeout(900)
-def test_asha_stops_the_trials_behind_and_keeps_their_runs_figures_and_adapters(embedded, tmp_path, grid, seed):
-    """Learning rates some far too small: ASHA stops those at its first rung; the best trains to the end.
+def test_asha_stops_the_trials_behind_and_keeps_their_runs_figures_and_adapters(embedded, tmp_path):
+    """Four learning rates, two far too small: ASHA stops those at its first rung; the best trains to the end.
     A stopped trial's run is KILLED (not FAILED) and says by whom and where, every figure it reported is in MLflow,
     its adapter of that step is in its run directory and on the run; the sweep spent fewer steps than a grid."""
-    out, trials = tmp_path / "out", len(grid.split(","))
-    summary = summary_of(tune_command(embedded, out, "--space", f"train.learning_rate=grid({grid})",
-                                      "--seed", seed, "--num-samples", "1", "--max-concurrent", "1",
+    out = tmp_path / "out"
+    # seed 0 orders the grid 2e-3, 1e-6, 3e-3, 2e-6, one trial at a time: each small one reaches the first rung
+    # after a good one (two at once, which of the first two gets there first is up to the machine's load)
+    summary = summary_of(tune_command(embedded, out, "--space", "train.learning_rate=grid(3e-3,1e-6,2e-6,2e-3)",
+                                      "--seed", "0", "--num-samples", "1", "--max-concurrent", "1",
                                       "--grace-period", "2", "--reduction-factor", "2", "--name", "lr-asha"))
-    assert summary["best"]["config"] == {"train.learning_rate": 0.003} and summary["trials"] == trials
-    assert summary["steps_spent"] == (8 + 2) * trials // 2 and summary["steps_to_the_end"] == 8 * trials
+    assert summary["best"]["config"] == {"train.learning_rate": 0.003} and summary["trials"] == 4
+    assert summary["steps_spent"] == 8 + 2 + 8 + 2 and summary["steps_to_the_end"] == 32
 
     client, runs = runs_of(out)
     parent = runs.pop("lr-asha")
     assert parent.info.status == "FINISHED" and parent.data.tags["best_trial_run"] == summary["best"]["run"]
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "tune")}
     assert logged == {"tune/trials.json", "tune/curves.png"}
-    assert len(runs) == trials and {r.data.tags["mlflow.parentRunId"] for r in runs.values()} == {parent.info.run_id}
+    assert len(runs) == 4 and {r.data.tags["mlflow.parentRunId"] for r in runs.values()} == {parent.info.run_id}
     stopped = [r for r in runs.values() if r.data.params["train.learning_rate"] in ("1e-06", "2e-06")]
-    assert len(stopped) == trials // 2
     for run in stopped:
         assert run.info.status == "KILLED" and run.data.tags["tune.stopped_by"] == "asha"
         step = int(run.data.tags["tune.stopped_at_step"])
@@ -81,7 +81,6 @@ def test_asha_stops_the_trials_behind_and_keeps_their_runs_figures_and_adapters(
     assert best.info.status == "FINISHED" and best.data.metrics["steps"] == 8
 
 
-@pytest.mark.extended  # Tune's path runs in CI through ASHA's test above
 @pytest.mark.timeout(900)
 def test_pbt_restarts_the_worse_trial_from_the_better_ones_checkpoint_with_its_new_learning_rate(embedded, tmp_path):
     """Two trials, one with a learning rate far too small: PBT copies the other's checkpoint into it. The copy
@@ -128,7 +127,6 @@ def _second_trial_checkpointed(out: Path) -> bool:
     return any(out.glob("lr-resume-*_00001/checkpoint_*"))
 
 
-@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_a_sweep_stopped_midway_resumes_without_rerunning_its_finished_trials(embedded, tmp_path):
     """Ctrl-C after the first of two trials (one at a time) has finished: the running trial's run and the sweep's

@@ -170,6 +170,7 @@ def _tenant_runs(rank: int, world: int, embedded: dict, out: str) -> None:
         (out / "results.json").write_text(json.dumps(results))
 
 
+@pytest.mark.extended  # the shared-data case above runs in make test
 def test_an_adapter_with_data_of_its_own_trains_on_it_as_it_would_alone(embedded, tmp_path):
     """fp32, two adapters sharing every micro-batch, each block its own adapter's rows: the job's for rank4, the
     tenant's own (whose pass ends in a smaller micro-batch) for tenant; tenant_lr, on the same data as tenant (the

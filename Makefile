@@ -48,8 +48,8 @@ demo: setup
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-# CI's suite: every test but the long scenarios whose capability a shorter test here runs end to end
-# (pytest -m extended lists them; docs/design.md says which test stands in for each)
+# CI's suite: every test but the long end-to-end scenarios marked `extended` (pytest -m extended lists them;
+# docs/design.md says what make test still runs of each)
 test: setup
 	$(BIN)/python -m pytest $(XDIST) -m "not extended" $(PYTEST_ARGS)
 

@@ -99,6 +99,7 @@ def test_a_crash_mid_save_and_a_killed_worker_both_resume_and_the_run_finishes_w
     assert decoy.poll() is None  # only this session's own worker was killed
 
 
+@pytest.mark.extended  # make test resumes a data pass on other worker counts (test_data_pipeline.py)
 def test_a_crashed_run_resumes_on_fewer_workers_and_ends_near_an_uninterrupted_one(reference_run, embedded, tmp_path):
     """A run that fails for good (no restarts allowed) is resumed by a new job on one worker instead of two:
     it carries on from its last checkpoint in the same MLflow run and ends near the uninterrupted run."""

@@ -151,6 +151,7 @@ def _checkpointing_under_compile(rank: int, world: int, model_path: str, out: st
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # compiled layers training as eager ones do runs in make test (above)
 def test_compiled_layers_keep_activation_checkpointing(embedded, tmp_path):
     """model.compile with gradient_checkpointing: transformers checkpoints only the outermost forward of a
     layer's class, so what is compiled must be that one. Compiled layers then save about the activations

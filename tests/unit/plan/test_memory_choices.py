@@ -112,6 +112,7 @@ def test_the_mesh_is_replicated_where_the_whole_model_fits_else_sharded_over_eve
     assert alone.scaling.mesh is None and alone.scaling.mesh_shape(1) == (1,)
 
 
+@pytest.mark.extended  # the planner's other auto choices run in make test (above)
 def test_as_many_adapters_share_each_micro_batch_as_fit_beside_it():
     """Each adapter sharing a micro-batch adds a copy of its rows' activations: auto takes the most that fit once
     checkpointing, micro-batch and mesh are chosen, one when only that fits; the plan counts every adapter."""

@@ -48,6 +48,7 @@ def _growth_mib(how: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.extended  # two processes each loading and evaluating a model, a regression guard
 def test_an_evaluation_leaves_the_private_memory_where_it_found_it():
     assert _growth_mib("plain loop") > 30  # what the heap keeps of batches of varied sizes (51 MiB here)
     assert _growth_mib("evaluation") < 10  # 3 MiB here

@@ -75,9 +75,10 @@ def start_rollout_group(cfg: FinetuneConfig) -> list:
 
 
 def stop_rollout_group(actors: list) -> None:
-    """The run's rollout actors ended with it, whether it finished or failed: a failed run's handles live on in its
-    exception's frames (a long-lived driver, a notebook, a test), and Ray would keep each actor, its base and its
-    engine (GBs with vLLM) until they are let go. `max_restarts` does not bring a killed one back."""
+    """The run's rollout actors ended with it, whether it finished or failed: a failed run's handles live on (its
+    Ray Train controller keeps the train function that holds them while the driver holds the run's error: a
+    notebook, a test session), and Ray would keep each actor, its base and its engine (GBs with vLLM) until they
+    are let go. `max_restarts` does not bring a killed one back."""
     for actor in actors:
         ray.kill(actor, no_restart=True)
 

@@ -9,11 +9,10 @@ fresh LoRA weights (as an optimizer step sends) then the step's answers:
 - `ours lora`: this project's sampler with the adapter beside the base (rollout.policy=lora);
 - `ours merged`: the same with the adapter merged into its copy of the base at each sync (rollout.policy=merged);
 - `vllm lora` (where vLLM is installed): rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py, its
-  engine in the measuring process):
-  at each sync the adapter checked, written as a PEFT folder and handed to vLLM as a new LoRARequest (counted);
-- `vllm merged`: vLLM over the base alone, decoding as a merged adapter would; no sync counted, since vLLM on
-  CPUs has no route for new merged weights short of a restart (its engine's `load_weights` needs weight loaders
-  its processed CPU parameters lack), so this is the ceiling of that way, not a way a run can take.
+  engine in the measuring process): at each sync the adapter checked, written as a PEFT folder and handed to vLLM
+  as a new LoRARequest (counted);
+- `vllm merged`: the same with the adapter merged into vLLM's own weights at each sync (app/train/vllm_merging.py,
+  counted), vLLM started without LoRA.
 Prints a JSON line per measurement (the median of --steps after a warm-up step), then one with them all.
 """
 
@@ -70,34 +69,14 @@ def ours(cfg, prompts, steps: int) -> list[float]:
     return synced_steps(sampler, sampler, cfg, prompts, steps)
 
 
-def vllm_lora(cfg, prompts, steps: int) -> list[float]:
-    """rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py): each sync a new LoRA request."""
+def vllm(cfg, prompts, steps: int) -> list[float]:
+    """rollout.engine=vllm as the actors run it (app/train/vllm_sampler.py, its engine in this process): each sync
+    a new LoRA request (rollout.policy=lora) or merged into vLLM's weights (merged)."""
     from app.train.sampling import build_sampler
     from app.train.vllm_sampler import VllmSampler
 
     trainer = build_sampler(cfg.with_set({"rollout.engine": "transformers"}))
     return synced_steps(VllmSampler(cfg, own_process=True), trainer, cfg, prompts, steps)
-
-
-def vllm_base(cfg, prompts, steps: int) -> list[float]:
-    """vLLM over the base alone: how fast a merged adapter would decode (no sync: none exists on CPUs)."""
-    from vllm import LLM, SamplingParams, TokensPrompt
-
-    from app.model.hardware import torch_dtype
-    from app.model.vllm_support import engine_in_this_process
-
-    engine_in_this_process()  # as a rollout actor runs it
-    rollout = cfg.rollout
-    llm = LLM(cfg.model.path, dtype=torch_dtype(cfg.model.dtype), seed=0,  # auto as the actors take it
-              max_num_seqs=len(prompts) * rollout.num_generations, kv_cache_memory_bytes=2 << 30)
-    params = SamplingParams(n=rollout.num_generations, temperature=rollout.temperature, top_p=rollout.top_p,
-                            top_k=rollout.top_k or -1, max_tokens=rollout.max_completion_tokens, logprobs=0)
-    rates = []
-    for _ in range(steps + 1):
-        started = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        rates.append(sum(len(o.outputs) for o in outputs) / (time.perf_counter() - started))
-    return rates[1:]
 
 
 def measure(way: str, config: str, cores: int, steps: int) -> None:
@@ -109,11 +88,9 @@ def measure(way: str, config: str, cores: int, steps: int) -> None:
 
     torch.set_num_threads(cores)
     engine = "transformers" if way.startswith("ours") else "vllm"
-    policy = "merged" if way == "ours merged" else "lora"  # vLLM takes LoRA requests (its `merged`: the base alone)
-    cfg = load_config(config, [f"rollout.engine={engine}", f"rollout.policy={policy}"])
+    cfg = load_config(config, [f"rollout.engine={engine}", f"rollout.policy={way.split()[1]}"])
     prompts = step_prompts(cfg, load_tokenizer(cfg.model, cfg.data.chat_template))
-    run = {"ours lora": ours, "ours merged": ours, "vllm lora": vllm_lora, "vllm merged": vllm_base}[way]
-    rates = run(cfg, prompts, steps)
+    rates = (ours if engine == "transformers" else vllm)(cfg, prompts, steps)
     print(json.dumps({"way": way, "cores": cores, "answers": len(prompts) * cfg.rollout.num_generations,
                       "answers_per_second": round(statistics.median(rates), 2)}), flush=True)
 

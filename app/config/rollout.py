@@ -52,13 +52,15 @@ class RolloutSection(Section):
                                            "answer it has been asked for")
     engine: Literal["auto", "transformers", "vllm"] = Field(
         "auto", description="what decodes the rollouts: transformers, this project's engine (app/engine/) over the "
-        "transformers model; vllm, vLLM in each actor, the policy as LoRA requests; auto: vllm on GPU actors where it "
-        "is installed and runs the model, else transformers (on CPUs it samples 12x vLLM's LoRA path)")
+        "transformers model; vllm, vLLM in each actor (the policy as LoRA requests on GPUs, merged into its weights "
+        "on CPUs: rollout.policy); auto: vllm on GPU actors where it is installed and runs the model, else "
+        "transformers (on CPUs it samples 1.4-1.7x vLLM with the adapter merged, on an AVX2 EPYC in fp32)")
     policy: Literal["auto", "merged", "lora"] = Field(
         "auto", description="how the policy reaches a rollout actor's engine: merged, the adapter merged into the "
-        "actor's copy of the base at each sync (its steps run the base's products alone; the adapted base weights "
-        "kept once more in host memory); lora, the adapter applied beside the base at every step; auto: merged "
-        "unless the adapter cannot merge (DoRA, LoRA on embeddings, an nf4 base)")
+        "actor's copy of the base at each sync, this project's engine's or vLLM's on CPU actors (its steps run the "
+        "base's products alone; the adapted base weights kept once more in host memory); lora, the adapter applied "
+        "beside the base at every step (vLLM: a LoRA request per sync); auto: merged unless the adapter cannot merge "
+        "(DoRA, LoRA on embeddings, an nf4 base) or vLLM samples on GPUs (its batched LoRA kernels)")
     cpus: float = Field(1.0, ge=0.0, description="logical CPUs Ray reserves for each rollout actor")
     gpus: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
         "auto", description="GPUs of each rollout actor; auto: 1 with scaling.use_gpu (a GPU of its own), else 0")
@@ -88,13 +90,20 @@ MERGED_WHY = ("merged (the adapter merged into each actor's copy of the base at 
               "products alone; 1.3x LoRA's answers/s beside the base on 1 and 2 CPU cores: benchmarks/rollouts.py)")
 
 
-def rollout_policy_of(model: ModelSection, lora: LoraSection, rollout: RolloutSection, engine: str) -> tuple[str, str]:
-    """rollout.policy as a run takes it with rollout engine `engine`, and why where it was `auto`: vLLM takes
-    LoRA requests; this project's engine the adapter merged where it can merge, else LoRA beside the base."""
+VLLM_MERGED_WHY = ("merged (the adapter merged into vLLM's weights at every sync: on CPUs vLLM's LoRA kernels decode "
+                   "10x slower than its base weights; benchmarks/rollouts.py)")
+
+
+def rollout_policy_of(model: ModelSection, lora: LoraSection, rollout: RolloutSection, engine: str,
+                      on_gpu: bool = False) -> tuple[str, str]:
+    """rollout.policy as a run takes it with rollout engine `engine`, and why where it was `auto`: the adapter
+    merged where it can merge, else LoRA beside the base; but LoRA requests for vLLM on GPU actors (its batched
+    LoRA kernels are its fast path there)."""
     if rollout.policy != "auto":
         return rollout.policy, ""
-    if engine == "vllm":
-        return "lora", "lora (vLLM takes the adapter as a LoRA request at each sync)"
+    if engine == "vllm" and on_gpu:
+        return "lora", "lora (vLLM on GPUs takes the adapter as a LoRA request at each sync)"
     why = unmergeable_lora(model, lora)
-    return ("lora", f"lora (the adapter beside the base at every step: {why} cannot merge)") if why else \
-        ("merged", MERGED_WHY)
+    if why:
+        return "lora", f"lora (the adapter beside the base at every step: {why} cannot merge)"
+    return "merged", VLLM_MERGED_WHY if engine == "vllm" else MERGED_WHY

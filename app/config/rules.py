@@ -199,10 +199,12 @@ def nf4_without_dora_or_compile(model: ModelSection, lora: LoraSection) -> str |
     return None
 
 
-def merged_policy_can_merge(model: ModelSection, lora: LoraSection, rollout: RolloutSection) -> str | None:
-    if rollout.policy == "merged" and rollout.engine == "vllm":
-        return ("rollout.policy=merged with rollout.engine=vllm: vLLM takes the adapter as LoRA requests; "
-                "set rollout.policy: lora, or rollout.engine: transformers")
+def merged_policy_can_merge(model: ModelSection, lora: LoraSection, rollout: RolloutSection,
+                            scaling: ScalingSection) -> str | None:
+    gpu_actors = rollout.gpus == "auto" and scaling.use_gpu or rollout.gpus not in ("auto", 0)
+    if rollout.policy == "merged" and rollout.engine == "vllm" and gpu_actors:
+        return ("rollout.policy=merged with vLLM on GPU actors: not built (merging into vLLM's weights is built and "
+                "checked on CPU actors only); set rollout.policy: lora or auto, or rollout.engine: transformers")
     why = unmergeable_lora(model, lora) if rollout.policy == "merged" else None
     if why:
         return f"rollout.policy=merged with {why}: the adapter cannot be merged; set rollout.policy: lora"

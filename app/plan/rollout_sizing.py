@@ -19,8 +19,9 @@ from app.errors import UserInputError
 from app.model.vllm_support import vllm_cannot_run
 from app.plan.plan import Decision
 
-CPU_WHY = ("transformers (this project's engine: on CPUs, with the adapter merged, it samples 12x the answers/s of "
-           "vLLM's LoRA path, and vLLM takes no new merged weights mid-run there; benchmarks/rollouts.py)")
+CPU_WHY = ("transformers (this project's engine: on CPUs, with the adapter merged, it samples 1.4-1.7x the answers/s "
+           "of vLLM with the adapter merged too and 8-9x vLLM's LoRA requests on an AVX2 EPYC, and vLLM starts "
+           "slower; benchmarks/rollouts.py)")
 
 
 def rollout_gpus_each(cfg: FinetuneConfig) -> float:
@@ -61,7 +62,7 @@ def rollout_decisions(cfg: FinetuneConfig, cluster_gpus: float) -> tuple[Decisio
     if cfg.rollout.engine == "auto":
         decisions.append(Decision("rollout.engine", engine, why if online else ""))
     if cfg.rollout.policy == "auto":
-        policy, why = rollout_policy_of(cfg.model, cfg.lora, cfg.rollout, engine)
+        policy, why = rollout_policy_of(cfg.model, cfg.lora, cfg.rollout, engine, on_gpu=rollout_gpus_each(cfg) > 0)
         decisions.append(Decision("rollout.policy", policy, why if online else ""))
     return tuple(decisions)
 
@@ -78,7 +79,7 @@ def check_asked_engine(cfg: FinetuneConfig) -> None:
 def rollout_engine_for(cfg: FinetuneConfig, online: bool) -> tuple[str, str]:
     """What decodes the rollouts, and why: vLLM on GPU actors where it runs the model (its paged attention and
     batched LoRA kernels are the fast path there), this project's engine on CPUs (benchmarks/rollouts.py: with the
-    adapter merged it samples 12x vLLM's LoRA path, and vLLM takes no merged weights mid-run there) and wherever vLLM
+    adapter merged it samples 1.4-1.7x vLLM with the adapter merged in its weights on an AVX2 EPYC) and wherever vLLM
     cannot run; `vllm` asked where it cannot run is one line."""
     asked = cfg.rollout.engine
     if asked == "transformers" or not online or (asked == "auto" and not rollout_gpus_each(cfg)):
@@ -86,7 +87,8 @@ def rollout_engine_for(cfg: FinetuneConfig, online: bool) -> tuple[str, str]:
     if asked == "vllm":
         check_asked_engine(cfg)
         return "vllm", ""
-    refused = vllm_cannot_run(cfg.model.path) or vllm_refuses(cfg.model, cfg.lora)
+    refused = vllm_cannot_run(cfg.model.path) or vllm_refuses(cfg.model, cfg.lora) or \
+        ("rollout.policy=merged, built for vLLM on CPU actors only" if cfg.rollout.policy == "merged" else None)
     if refused:
         return "transformers", f"transformers (this project's engine: {refused})"
     return "vllm", "vllm (GPU actors: vLLM's paged attention and batched LoRA kernels; the policy as LoRA requests)"

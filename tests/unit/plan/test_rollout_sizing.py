@@ -110,7 +110,24 @@ def test_vllm_asked_where_it_cannot_sample_the_policy_is_one_line_naming_the_key
                                          r"base unquantized\): it would sample another policy than the one trained"):
         load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "model.quantization=nf4",
                            "rollout.engine=vllm"])
-    with pytest.raises(ValueError, match=r"rollout.policy=merged with rollout.engine=vllm: vLLM takes the "
-                                         r"adapter as LoRA requests"):
-        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "rollout.policy=merged",
-                           "rollout.engine=vllm"])
+    with pytest.raises(ValueError, match=r"rollout.policy=merged with vLLM on GPU actors: not built \(merging into "
+                                         r"vLLM's weights is built and checked on CPU actors only\); set "
+                                         r"rollout.policy: lora or auto, or rollout.engine: transformers"):
+        load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "rollout.policy=merged", "rollout.engine=vllm",
+                           "scaling.use_gpu=true"])
+    assert _engine(tmp_path, monkeypatch, None, "scaling.use_gpu=true", "rollout.policy=merged")[::2] == \
+        ("transformers", "transformers (this project's engine: rollout.policy=merged, built for vLLM on CPU actors "
+                         "only)")
+
+
+def test_vllm_on_cpu_actors_takes_the_adapter_merged_into_its_weights_and_on_gpus_as_lora_requests(tmp_path,
+                                                                                                   monkeypatch):
+    """vLLM's presence is what the test sets; merging into vLLM's weights runs in
+    tests/integration/test_vllm_rollouts.py."""
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", *GRPO, "rollout.engine=vllm", "scaling.use_gpu=false"])
+    plan = Plan(cfg).decided(*rollout_decisions(cfg, 0))
+    assert plan.cfg.rollout.policy == "merged" and plan.reasons["rollout.policy"].startswith(
+        "merged (the adapter merged into vLLM's weights at every sync")
+    assert _engine(tmp_path, monkeypatch, None, "scaling.use_gpu=true")[:2] == ("vllm", "lora")
+    assert _engine(tmp_path, monkeypatch, None, "rollout.engine=vllm", "scaling.use_gpu=false",
+                   "lora.use_dora=false", "lora.target_modules=[q_proj,embed_tokens]")[:2] == ("vllm", "lora")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 from app.serve.jobs import Job
 from tests.unit.serve.conftest import steps
@@ -50,3 +51,15 @@ def test_a_cancelled_request_stops_generating(served):
 
     first, (_, finish, tokens) = asyncio.run(cancel_after_first_text())
     assert first[0] == "delta" and finish == "cancelled" and tokens < 20, (finish, tokens)
+    _settled(served)  # the engine's own end of the request lands after its last event (vLLM counts it then)
+
+
+def _settled(served, quiet: float = 0.5, limit: float = 15.0) -> None:
+    """Wait until the engine's step count stops moving; an engine still stepping `limit` s on fails the test."""
+    deadline, count = time.monotonic() + limit, steps(served)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        if steps(served) == count:
+            return
+        count = steps(served)
+    raise AssertionError(f"the engine still steps {limit:g} s after the request was cancelled")

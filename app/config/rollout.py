@@ -90,8 +90,8 @@ MERGED_WHY = ("merged (the adapter merged into each actor's copy of the base at 
               "products alone; 1.3x LoRA's answers/s beside the base on 1 and 2 CPU cores: benchmarks/rollouts.py)")
 
 
-VLLM_MERGED_WHY = ("merged (the adapter merged into vLLM's weights at every sync: on CPUs vLLM's LoRA kernels decode "
-                   "10x slower than its base weights; benchmarks/rollouts.py)")
+VLLM_MERGED_WHY = ("merged (the adapter merged into vLLM's weights at every sync: on CPUs vLLM samples 5-6x its LoRA "
+                   "requests' answers/s that way; benchmarks/rollouts.py)")
 
 
 def rollout_policy_of(model: ModelSection, lora: LoraSection, rollout: RolloutSection, engine: str,
